@@ -1,0 +1,110 @@
+"""Speculative flag resolution and routing (DESIGN §6). Every refusal happens here, at start-up."""
+
+from __future__ import annotations
+
+import logging
+
+from treepage.layers.attention.registry import get_backend_class, paged_tree_backends
+from treepage.server_args import ArgumentError, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# Architectures whose layers keep recurrent (mamba-style) state: their state cannot be rolled back per
+# branch under overlap scheduling, so they run synchronous rounds.
+RECURRENT_ARCHITECTURES = frozenset(
+    {
+        "MambaForCausalLM",
+        "Mamba2ForCausalLM",
+        "FalconMambaForCausalLM",
+        "JambaForCausalLM",
+        "NemotronHForCausalLM",
+        "Qwen3NextForCausalLM",
+        "FalconH1ForCausalLM",
+    }
+)
+
+# (steps, topk, draft tokens) when only the algorithm is given.
+AUTO_TREE = {"STANDALONE": (3, 1, 4)}
+AUTO_TREE_LLAMA = (5, 4, 8)
+AUTO_TREE_OTHER = (3, 1, 4)
+
+
+def max_tree_candidates(steps: int, topk: int) -> int:
+    """Draft nodes a round can produce: K at step 0, K*K at each later step."""
+    return topk + (steps - 1) * topk * topk
+
+
+def resolve_speculative(args: ServerArgs, architecture: str = "LlamaForCausalLM") -> ServerArgs:
+    """Fill defaults, refuse nonsense, choose spec v1/v2. Mutates and returns args."""
+    P = args.page_size or 1
+    if P & (P - 1) or not 1 <= P <= 1024:
+        raise ArgumentError(f"--page-size must be a power of two in 1..1024, got {P}")
+    if args.speculative_algorithm in (None, "NONE"):
+        args.speculative_algorithm = None
+        args.spec_version = 0
+        for flag in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"):
+            if getattr(args, flag) is not None:
+                raise ArgumentError(
+                    f"--{flag.replace('_', '-')} needs --speculative-algorithm (EAGLE, EAGLE3 or STANDALONE)"
+                )
+        return args
+
+    algo = args.speculative_algorithm
+    S, K, N = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
+    if S is None and K is None and N is None:
+        S, K, N = AUTO_TREE.get(algo) or (
+            AUTO_TREE_LLAMA if architecture == "LlamaForCausalLM" else AUTO_TREE_OTHER
+        )
+        logger.info("speculative tree chosen automatically: steps=%d topk=%d draft_tokens=%d", S, K, N)
+    elif S is None:
+        raise ArgumentError(
+            "--speculative-num-steps must be given when --speculative-eagle-topk or "
+            "--speculative-num-draft-tokens is given"
+        )
+    if S < 1:
+        raise ArgumentError(f"--speculative-num-steps must be >= 1, got {S}")
+    if K is None:
+        K = 1
+    if K < 1:
+        raise ArgumentError(f"--speculative-eagle-topk must be >= 1, got {K}")
+    if K == 1:
+        if N is not None and N != S + 1:
+            logger.warning(
+                "topk == 1 makes the tree a chain: --speculative-num-draft-tokens %d -> %d", N, S + 1
+            )
+        N = S + 1
+    if N is None:
+        N = min(1 + max_tree_candidates(S, K), 2 * S * K)
+    if N < 2:
+        raise ArgumentError(f"--speculative-num-draft-tokens must be >= 2 (root + one draft), got {N}")
+    if N - 1 > max_tree_candidates(S, K):
+        raise ArgumentError(
+            f"--speculative-num-draft-tokens {N} is larger than the tree can be: steps={S}, topk={K} give at "
+            f"most 1 + K + (S-1)*K*K = {1 + max_tree_candidates(S, K)} tokens"
+        )
+    if algo in ("EAGLE", "EAGLE3", "STANDALONE") and not args.speculative_draft_model_path:
+        raise ArgumentError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path")
+
+    backend = args.attention_backend or "torch_native"
+    if K > 1 and P > 1 and not get_backend_class(backend).supports_paged_tree_draft:
+        raise ArgumentError(
+            f"--speculative-eagle-topk {K} > 1 with --page-size {P} > 1 needs an attention backend with the paged "
+            f"tree draft (cascade) path; --attention-backend {backend} has none. Allowed: "
+            f"{', '.join(paged_tree_backends())}"
+        )
+    fixed = args.speculative_debug_fixed_accept_len
+    if fixed is not None and not 1 <= fixed <= S + 1:
+        raise ArgumentError(f"--speculative-debug-fixed-accept-len must be in 1..{S + 1}, got {fixed}")
+
+    args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens = S, K, N
+    if architecture in RECURRENT_ARCHITECTURES:
+        if not args.disable_overlap_schedule:
+            logger.info("%s keeps recurrent state: speculative decoding falls back to spec v1", architecture)
+        args.spec_version = 1
+    elif args.disable_overlap_schedule:
+        args.spec_version = 1
+    else:
+        args.spec_version = 2
+    if args.max_running_requests is None:
+        args.max_running_requests = 48
+    return args

@@ -1,0 +1,229 @@
+"""In-process API: Engine(server_args).generate(...). The HTTP server is a thin layer over it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from treepage.arg_groups import resolve_dtype, resolve_server_args
+from treepage.managers.schedule_batch import FinishReason, Req, SamplingParams, new_rid
+from treepage.managers.scheduler import Scheduler
+from treepage.managers.tokenizer import eos_token_ids, load_tokenizer
+from treepage.model_executor.model_runner import ModelRunner
+from treepage.models.loader import default_model_path, load_config
+from treepage.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, server_args: ServerArgs | None = None, **kwargs: Any) -> None:
+        args = server_args or ServerArgs(**kwargs)
+        if args.model_path is None:
+            args.model_path = default_model_path()
+        config = load_config(args.model_path)
+        resolve_server_args(args, config.architecture)
+        self.args = args
+        if args.random_seed is not None:
+            torch.manual_seed(args.random_seed)
+        dtype = resolve_dtype(args, args.device)
+        self.dtype = dtype
+        self.tokenizer = load_tokenizer(args.model_path, args.tokenizer_path)
+        self.worker = self._build_worker(args, config, dtype)
+        self.runner = self.worker.runner
+        self.model_config = config
+        self.context_len = self.worker.pools.context_len
+        self.eos_ids = eos_token_ids(self.tokenizer, config)
+        self.model_name = args.served_model_name or args.model_path
+        self.scheduler = Scheduler(args, self.worker, self.tokenizer, self.eos_ids)
+        self._thread = threading.Thread(
+            target=self.scheduler.run_forever, name="treepage-scheduler", daemon=True
+        )
+        self._thread.start()
+        self.start_time = time.time()
+
+    def _build_worker(self, args: ServerArgs, config, dtype):
+        if not args.speculation:
+            from treepage.managers.tp_worker import TpWorker
+
+            return TpWorker(ModelRunner(args, args.model_path, dtype, config=config))
+        from treepage.speculative.eagle_worker import build_speculative_worker
+
+        return build_speculative_worker(args, config, dtype)
+
+    # ---- requests ----------------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def make_sampling_params(self, params: dict | SamplingParams | None) -> SamplingParams:
+        if isinstance(params, SamplingParams):
+            sp = params
+        else:
+            params = dict(params or {})
+            stop = params.pop("stop", None)
+            if isinstance(stop, str):
+                stop = [stop]
+            known = set(SamplingParams.__dataclass_fields__)
+            unknown = set(params) - known
+            if unknown:
+                raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+            sp = SamplingParams(**params, stop=list(stop or []))
+        sp.validate(self.vocab_size)
+        return sp
+
+    def check_prompt(self, input_ids: list[int], sp: SamplingParams) -> None:
+        if not input_ids:
+            raise ValueError("the prompt is empty")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in input_ids):
+            raise ValueError(f"input_ids must be integers in [0, {self.vocab_size})")
+        if len(input_ids) >= self.context_len:
+            raise ValueError(
+                f"the prompt has {len(input_ids)} tokens; this model's context length is {self.context_len}"
+            )
+        if len(input_ids) + sp.max_new_tokens > self.context_len:
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens: "
+                f"{len(input_ids)} in the prompt + {sp.max_new_tokens} max_new_tokens"
+            )
+
+    def _make_req(self, input_ids: list[int], sp: SamplingParams, sink, rid: str | None) -> Req:
+        self.check_prompt(input_ids, sp)
+        gen = None
+        if not sp.greedy:
+            gen = torch.Generator(device=self.args.device)
+            gen.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        return Req(rid or new_rid(), list(input_ids), sp, sink, generator=gen, created=time.monotonic())
+
+    def submit(self, input_ids: list[int], sp: SamplingParams, sink, rid: str | None = None) -> Req:
+        req = self._make_req(input_ids, sp, sink, rid)
+        if sp.max_new_tokens == 0:
+            req.finished = FinishReason("length", matched=0)
+            sink(self.scheduler._snapshot(req))
+            return req
+        self.scheduler.submit(req)
+        return req
+
+    async def generate_async(
+        self,
+        input_ids: list[int],
+        sampling_params: dict | SamplingParams | None = None,
+        rid: str | None = None,
+    ) -> AsyncIterator[dict]:
+        """Yields cumulative snapshots until finished. Cancelling the iterator aborts the request."""
+        sp = self.make_sampling_params(sampling_params)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        req = self.submit(input_ids, sp, lambda out: loop.call_soon_threadsafe(q.put_nowait, out), rid)
+        try:
+            while True:
+                out = await q.get()
+                while not q.empty() and not out["finished"]:
+                    out = q.get_nowait()  # coalesce: snapshots are cumulative
+                yield out
+                if out["finished"]:
+                    return
+        finally:
+            if req.finished is None:
+                self.abort(req.rid)
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+    ) -> dict | list[dict]:
+        """Blocking generation, single or batched (a batch is submitted at once and decoded together)."""
+        single = isinstance(prompt, str) or (
+            input_ids is not None and input_ids and isinstance(input_ids[0], int)
+        )
+        if prompt is not None:
+            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+            batch_ids = [self.tokenizer.encode(p) for p in prompts]
+        else:
+            batch_ids = [input_ids] if single else list(input_ids)
+        sp_list = [self.make_sampling_params(sampling_params) for _ in batch_ids]
+        results: list[queue.Queue] = [queue.Queue() for _ in batch_ids]
+        for ids, sp, q in zip(batch_ids, sp_list, results):
+            self.submit(ids, sp, q.put)
+        outs = []
+        for q in results:
+            while True:
+                out = q.get()
+                if out["finished"]:
+                    break
+            outs.append(out)
+        return outs[0] if single else outs
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+
+    # ---- introspection ----------------------------------------------------------------------------------------
+    def memory_report(self) -> dict:
+        a = self.worker.pools.allocator
+        rp = self.worker.pools.req_to_token_pool
+        return {
+            "page_size": a.page_size,
+            "total_pages": a.num_pages,
+            "free_pages": a.num_free_pages(),
+            "used_pages": a.num_used_pages(),
+            "used_rows": rp.size - rp.num_free(),
+            "row_width": rp.row_width,
+        }
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        s = self.scheduler
+        while time.monotonic() < deadline:
+            if not s.running and not s.waiting and s.inbox.empty():
+                return
+            time.sleep(0.01)
+        raise TimeoutError("engine did not become idle")
+
+    def get_server_info(self) -> dict:
+        st = self.scheduler.stats
+        a = self.args
+        return {
+            "model_path": a.model_path,
+            "served_model_name": self.model_name,
+            "version": "0.1.0",
+            "device": a.device,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "page_size": a.page_size,
+            "attention_backend": a.attention_backend,
+            "context_length": self.context_len,
+            "max_running_requests": a.max_running_requests,
+            "max_total_num_tokens": self.worker.pools.allocator.num_pages * a.page_size,
+            "speculative_algorithm": a.speculative_algorithm,
+            "speculative_num_steps": a.speculative_num_steps,
+            "speculative_eagle_topk": a.speculative_eagle_topk,
+            "speculative_num_draft_tokens": a.speculative_num_draft_tokens,
+            "spec_version": a.spec_version,
+            "avg_spec_accept_length": st.avg_spec_accept_length,
+            "num_running_reqs": st.num_running,
+            "num_waiting_reqs": st.num_waiting,
+            "gen_throughput": st.gen_throughput,
+            "memory": self.memory_report(),
+        }
+
+    def flush_cache(self) -> bool:
+        """No prefix cache is kept yet, so there is nothing to drop; reports whether the engine is idle."""
+        s = self.scheduler
+        return not s.running and not s.waiting
+
+    def shutdown(self) -> None:
+        self.scheduler.stop()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

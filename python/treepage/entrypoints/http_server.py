@@ -1,0 +1,488 @@
+"""HTTP layer over the Engine: OpenAI-compatible and SGLang-native routes, SSE streaming, Prometheus metrics.
+
+Requests are validated and handed to the scheduler before any response byte is sent, so every bad input is a
+clean 4xx; a client that goes away mid-stream has its requests aborted so their KV pages return at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
+
+from treepage.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    format_validation_error,
+    openai_finish_reason,
+    stream_safe_len,
+    usage,
+)
+from treepage.managers.scheduler import QueueFullError
+from treepage.managers.tokenizer import apply_chat_template
+
+if TYPE_CHECKING:
+    from treepage.entrypoints.engine import Engine
+    from treepage.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 20.0
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+_SSE_DONE = "data: [DONE]\n\n"
+
+
+class ApiError(Exception):
+    """An error with its HTTP status; rendered as OpenAI's flat error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict[str, Any]:
+        kind = _ERROR_TYPES.get(self.status, str(self.status))
+        return {"object": "error", "message": self.message, "type": kind, "param": self.param, "code": self.status}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+# ---- requests in flight -----------------------------------------------------------------------------------------
+class _Submitted:
+    """One request already queued in the scheduler; its cumulative snapshots arrive on the event loop."""
+
+    def __init__(self, engine: Engine, input_ids: list[int], sampling_params: Any, rid: str | None) -> None:
+        loop = asyncio.get_running_loop()
+        self.engine = engine
+        self.queue: asyncio.Queue[dict] = asyncio.Queue()
+        self.finished = False
+        sink = lambda out: loop.call_soon_threadsafe(self.queue.put_nowait, out)  # noqa: E731
+        self.req = engine.submit(input_ids, sampling_params, sink, rid)
+
+    async def next(self) -> dict:
+        out = await self.queue.get()
+        while not out["finished"] and not self.queue.empty():
+            out = self.queue.get_nowait()  # snapshots are cumulative: the newest is enough
+        self.finished = out["finished"]
+        return out
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.engine.abort(self.req.rid)
+
+
+def _submit(engine: Engine, items: list[tuple[list[int], dict, str | None]]) -> list[_Submitted]:
+    """Validate every item first (so a bad one queues nothing), then queue them together."""
+    checked = []
+    for ids, params, rid in items:
+        try:
+            sp = engine.make_sampling_params(params)
+        except TypeError as e:  # a value of the wrong type that slipped past the schema
+            raise ApiError(400, f"invalid sampling parameters: {e}") from None
+        engine.check_prompt(ids, sp)
+        checked.append((ids, sp, rid))
+    subs: list[_Submitted] = []
+    try:
+        for ids, sp, rid in checked:
+            subs.append(_Submitted(engine, ids, sp, rid))
+    except BaseException:
+        _abort_all(subs)
+        raise
+    return subs
+
+
+def _abort_all(subs: list[_Submitted]) -> None:
+    for s in subs:
+        s.abort()
+
+
+async def _merged(subs: list[_Submitted]) -> AsyncIterator[tuple[int, dict]]:
+    """(index, snapshot) from all requests as they come; closing or cancelling it aborts the unfinished."""
+    pending = {asyncio.ensure_future(s.next()): i for i, s in enumerate(subs)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                out = task.result()
+                if not out["finished"]:
+                    pending[asyncio.ensure_future(subs[i].next())] = i
+                yield i, out
+    finally:
+        for task in pending:
+            task.cancel()
+        _abort_all(subs)
+
+
+async def _collect(subs: list[_Submitted]) -> list[dict]:
+    finals: list[dict] = [{} for _ in subs]
+    async for i, out in _merged(subs):
+        if out["finished"]:
+            finals[i] = out
+    return finals
+
+
+def _abort_error(out: dict) -> ApiError | None:
+    """An engine-side abort as an HTTP error: 500 when the scheduler failed, 503 otherwise (e.g. out of KV)."""
+    fr = out["meta_info"].get("finish_reason")
+    if not fr or fr["type"] != "abort":
+        return None
+    message = fr.get("message") or "aborted"
+    return ApiError(500 if message == "internal error" else 503, f"the request was aborted: {message}")
+
+
+def _raise_on_abort(finals: list[dict]) -> None:
+    for out in finals:
+        err = _abort_error(out)
+        if err is not None:
+            raise err
+
+
+def _sse_response(events: AsyncIterator[str], subs: list[_Submitted]) -> StreamingResponse:
+    # The background task runs after the stream ends, also when a client disconnect cancelled it.
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+        background=BackgroundTask(_abort_all, subs),
+    )
+
+
+# ---- helpers shared by the routes -------------------------------------------------------------------------------
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise ApiError(400, format_validation_error(e)) from None
+
+
+def _encode(engine: Engine, prompt: str | list[int]) -> list[int]:
+    if not prompt:
+        raise ApiError(400, "Prompt cannot be empty")
+    return list(engine.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+
+
+def _check_model(engine: Engine, name: str | None) -> None:
+    if name not in (None, "", "default", engine.model_name):
+        raise ApiError(404, f"The model '{name}' does not exist", param="model")
+
+
+def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
+    problem = body.unsupported()
+    if problem:
+        raise ApiError(400, problem)
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def _rids(base: str, n: int) -> list[str]:
+    return [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
+
+
+def _total_usage(finals: list[dict]) -> dict[str, int]:
+    return usage(
+        sum(f["meta_info"]["prompt_tokens"] for f in finals),
+        sum(f["meta_info"]["completion_tokens"] for f in finals),
+    )
+
+
+async def _openai_events(
+    subs: list[_Submitted],
+    stops: list[str],
+    chunk: Callable[[int, str, str | None, Any], dict],
+    head: dict,
+    include_usage: bool,
+    prelude: list[dict] | None = None,
+) -> AsyncIterator[str]:
+    """OpenAI SSE: text deltas per choice, a finish chunk, an optional usage chunk, then [DONE]."""
+    for obj in prelude or []:
+        yield _sse(obj)
+    sent = [""] * len(subs)
+    totals = [(0, 0)] * len(subs)
+    async for i, out in _merged(subs):
+        err = _abort_error(out)
+        if err is not None:
+            yield _sse({"error": err.body()})
+            yield _SSE_DONE
+            return
+        text, meta = out["text"], out["meta_info"]
+        totals[i] = (meta["prompt_tokens"], meta["completion_tokens"])
+        end = len(text) if out["finished"] else stream_safe_len(text, stops)
+        delta = text[len(sent[i]) : end]
+        if delta:
+            sent[i] = text[:end]
+        finish, matched = openai_finish_reason(meta) if out["finished"] else (None, None)
+        if delta or finish:
+            yield _sse({**head, "choices": [chunk(i, delta, finish, matched)]})
+    if include_usage:
+        yield _sse({**head, "choices": [], "usage": usage(sum(p for p, _ in totals), sum(c for _, c in totals))})
+    yield _SSE_DONE
+
+
+def _native(out: dict) -> dict:
+    return {"text": out["text"], "output_ids": out["output_ids"], "meta_info": out["meta_info"]}
+
+
+# ---- metrics ----------------------------------------------------------------------------------------------------
+class _EngineCollector:
+    """Reads the engine's counters at scrape time, so /metrics is never stale."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        st = self.engine.scheduler.stats
+        mem = self.engine.memory_report()
+        gauges = {
+            "num_running_reqs": ("Requests in the running batch.", st.num_running),
+            "num_queue_reqs": ("Requests waiting to be admitted.", st.num_waiting),
+            "gen_throughput": ("Generated tokens per second (recent window).", st.gen_throughput),
+            "token_usage": ("Fraction of KV pages in use.", mem["used_pages"] / max(mem["total_pages"], 1)),
+            "avg_spec_accept_length": ("Mean tokens emitted per verify forward.", st.avg_spec_accept_length),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"treepage:{name}", doc, value=float(value))
+        yield CounterMetricFamily("treepage:prompt_tokens", "Prompt tokens prefilled.", value=st.prompt_tokens_total)
+        yield CounterMetricFamily("treepage:generation_tokens", "Tokens generated.", value=st.gen_tokens_total)
+
+
+# ---- the app ----------------------------------------------------------------------------------------------------
+def create_app(engine: Engine) -> FastAPI:
+    app = FastAPI(title="treepage", docs_url=None, redoc_url=None)
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(engine))
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
+        return JSONResponse(ApiError(400, str(exc)).body(), status_code=400)
+
+    @app.exception_handler(QueueFullError)
+    async def _queue_full(_: Request, exc: QueueFullError) -> JSONResponse:
+        return JSONResponse(ApiError(503, str(exc)).body(), status_code=503)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(ApiError(400, str(exc)).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in a request")
+        body = ApiError(500, f"Internal server error: {type(exc).__name__}: {exc}").body()
+        return JSONResponse(body, status_code=500)
+
+    # ---- OpenAI ------------------------------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body: CompletionRequest = await _parse(request, CompletionRequest)
+        _check_model(engine, body.model)
+        _check_supported(body)
+        prompts = [_encode(engine, p) for p in body.prompts()]
+        if not prompts:
+            raise ApiError(400, "Prompt cannot be empty")
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        rids = _rids(body.rid or cid, len(prompts))
+        subs = _submit(engine, [(ids, body.sampling_params(max_tokens), r) for ids, r in zip(prompts, rids)])
+        head = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": engine.model_name}
+
+        def choice(i: int, text: str, finish: str | None, matched: Any) -> dict:
+            return {"index": i, "text": text, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+
+        if body.stream:
+            events = _openai_events(subs, _stops(body.stop), choice, head, body.include_usage)
+            return _sse_response(events, subs)
+        finals = await _collect(subs)
+        _raise_on_abort(finals)
+        choices = [choice(i, f["text"], *openai_finish_reason(f["meta_info"])) for i, f in enumerate(finals)]
+        return JSONResponse({**head, "choices": choices, "usage": _total_usage(finals)})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+        _check_model(engine, body.model)
+        _check_supported(body)
+        if not body.messages:
+            raise ApiError(400, "Messages cannot be empty.")
+        try:
+            ids = apply_chat_template(engine.tokenizer, [m.to_template() for m in body.messages])
+        except Exception as e:  # template errors (jinja raise_exception, bad roles) are the client's input
+            raise ApiError(400, f"could not apply the chat template: {e}") from None
+        if not ids:
+            raise ApiError(400, "the chat template produced an empty prompt")
+        max_tokens = body.requested_max_tokens
+        if max_tokens is None:
+            max_tokens = max(engine.context_len - len(ids), 0)  # up to the context, as OpenAI does
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        subs = _submit(engine, [(ids, body.sampling_params(max_tokens), body.rid or cid)])
+        created = int(time.time())
+        head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name}
+
+        def chunk(i: int, text: str, finish: str | None, matched: Any) -> dict:
+            delta = {"content": text} if text else {}
+            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+
+        if body.stream:
+            role = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                         "finish_reason": None}]}  # fmt: skip
+            events = _openai_events(subs, _stops(body.stop), chunk, head, body.include_usage, prelude=[role])
+            return _sse_response(events, subs)
+        finals = await _collect(subs)
+        _raise_on_abort(finals)
+        out = finals[0]
+        finish, matched = openai_finish_reason(out["meta_info"])
+        message = {"role": "assistant", "content": out["text"]}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+        result = {**head, "object": "chat.completion", "choices": [choice], "usage": _total_usage(finals)}
+        return JSONResponse(result)
+
+    def model_card() -> dict:
+        return {
+            "id": engine.model_name,
+            "object": "model",
+            "created": int(engine.start_time),
+            "owned_by": "treepage",
+            "root": engine.args.model_path,
+            "max_model_len": engine.context_len,
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        if model != engine.model_name:
+            raise ApiError(404, f"The model '{model}' does not exist", param="model")
+        return model_card()
+
+    # ---- native --------------------------------------------------------------------------------------------------
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        body: GenerateRequest = await _parse(request, GenerateRequest)
+        single, prompts = body.batch()
+        if not prompts:
+            raise ApiError(400, "Prompt cannot be empty")
+        params, rids = body.per_item(len(prompts))
+        subs = _submit(engine, [(_encode(engine, p), sp, r) for p, sp, r in zip(prompts, params, rids)])
+        if body.stream:
+
+            async def events() -> AsyncIterator[str]:
+                async for i, out in _merged(subs):
+                    err = _abort_error(out)
+                    if err is not None:
+                        yield _sse({"error": err.body()})
+                        break
+                    yield _sse(_native(out) if single else {**_native(out), "index": i})
+                yield _SSE_DONE
+
+            return _sse_response(events(), subs)
+        finals = await _collect(subs)
+        _raise_on_abort(finals)
+        outs = [_native(f) for f in finals]
+        return JSONResponse(outs[0] if single else outs)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        try:
+            rid = json.loads(await request.body())["rid"]
+        except (ValueError, KeyError, TypeError):
+            raise ApiError(400, 'expected a JSON body {"rid": "<request id>"}') from None
+        engine.abort(str(rid))
+        return Response(status_code=200)
+
+    def scheduler_alive() -> bool:
+        thread = getattr(engine, "_thread", None)
+        return thread is not None and thread.is_alive()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if scheduler_alive() else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if not scheduler_alive():
+            return Response(status_code=503)
+        subs = _submit(engine, [([0], {"max_new_tokens": 1, "temperature": 0.0}, f"health-{uuid.uuid4().hex}")])
+        try:
+            finals = await asyncio.wait_for(_collect(subs), HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            return Response(status_code=503)
+        return Response(status_code=503 if _abort_error(finals[0]) else 200)
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        return engine.get_server_info()
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info() -> dict:
+        args = engine.args
+        return {
+            "model_path": args.model_path,
+            "tokenizer_path": args.tokenizer_path or args.model_path,
+            "served_model_name": engine.model_name,
+            "is_generation": True,
+            "architectures": [engine.model_config.architecture],
+            "context_length": engine.context_len,
+            "vocab_size": engine.vocab_size,
+        }
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        if engine.flush_cache():
+            return PlainTextResponse("Cache flushed.\n")
+        return PlainTextResponse("Cache not flushed: requests are in flight.\n", status_code=400)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/memory")
+    async def debug_memory() -> dict:
+        return engine.memory_report()
+
+    return app
+
+
+def serve(args: ServerArgs, engine: Engine | None = None) -> None:
+    """Run the HTTP server until interrupted; the engine is built from args unless given."""
+    import uvicorn
+
+    if engine is None:
+        from treepage.entrypoints.engine import Engine
+
+        engine = Engine(args)
+    try:
+        uvicorn.run(
+            create_app(engine),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=args.log_level == "debug",
+            timeout_graceful_shutdown=5,
+        )
+    finally:
+        engine.shutdown()

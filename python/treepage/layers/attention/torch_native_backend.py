@@ -1,0 +1,112 @@
+"""Reference backend in plain torch. Reads KV by page table, batched and padded (no per-request loops)."""
+
+from __future__ import annotations
+
+import torch
+
+from treepage.layers.attention.base import AttentionBackend, AttentionMetadata
+
+
+def gather_by_page_table(cache: torch.Tensor, page_table: torch.Tensor, page_size: int, max_len: int):
+    """cache [slots, H, D] -> [B, max_len, H, D]; position p of row b is slot page_table[b, p//P]*P + p%P."""
+    pos = torch.arange(max_len, device=cache.device)
+    pages = page_table.long()[:, pos // page_size]
+    slots = pages * page_size + (pos % page_size)
+    return cache[slots]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D], mask [B, Lq, Lk] -> (o [B, Lq, Hq, D] fp32, lse [B, Lq, Hq])."""
+    B, Lq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    qf = q.float().view(B, Lq, Hkv, G, D)
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", qf, k.float()) * scale
+    scores = scores.masked_fill(~mask[:, None, None, :, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, G, Lq]
+    probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(-1e30))
+    probs = torch.nan_to_num(probs, nan=0.0)
+    o = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.float()).reshape(B, Lq, Hq, D)
+    lse = lse.permute(0, 3, 1, 2).reshape(B, Lq, Hq)
+    return o, lse
+
+
+def merge_by_lse(o1, lse1, o2, lse2):
+    """Merge two partial attentions over disjoint key sets; an empty set has lse = -inf."""
+    m = torch.maximum(lse1, lse2)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w1 = torch.exp(lse1 - m)
+    w2 = torch.exp(lse2 - m)
+    denom = (w1 + w2).clamp_min(1e-30)
+    return (o1 * w1.unsqueeze(-1) + o2 * w2.unsqueeze(-1)) / denom.unsqueeze(-1)
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    name = "torch_native"
+    supports_paged_tree_draft = True
+
+    def extend(self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float) -> torch.Tensor:
+        P = meta.page_size
+        device = q.device
+        qo = meta.qo_indptr.long()
+        q_lens = qo[1:] - qo[:-1]
+        B = q_lens.shape[0]
+        Lq, Lk = meta.max_q_len, meta.max_kv_len
+        # Pad queries to [B, Lq].
+        j = torch.arange(Lq, device=device)
+        q_valid = j[None, :] < q_lens[:, None]
+        q_idx = (qo[:-1, None] + j[None, :]).clamp_max(q.shape[0] - 1)
+        qp = q[q_idx]
+        k = gather_by_page_table(k_cache, meta.page_table, P, Lk)
+        v = gather_by_page_table(v_cache, meta.page_table, P, Lk)
+        prefix = meta.prefix_lens.long()
+        kv_lens = meta.kv_lens.long()
+        p = torch.arange(Lk, device=device)
+        rel = p[None, None, :] - prefix[:, None, None]  # key index inside the new window
+        in_prefix = rel < 0
+        in_kv = p[None, None, :] < kv_lens[:, None, None]
+        if meta.custom_mask is None:
+            new_ok = rel <= j[None, :, None]
+        else:
+            mptr = meta.mask_indptr.long()
+            rel_c = rel.clamp(min=0)
+            jj = j[None, :, None].expand(B, Lq, Lk)
+            flat = mptr[:-1, None, None] + jj * q_lens[:, None, None] + rel_c
+            flat = flat.clamp(max=meta.custom_mask.numel() - 1)
+            new_ok = meta.custom_mask[flat] & (rel_c < q_lens[:, None, None])
+        mask = (in_prefix | new_ok) & in_kv & q_valid[:, :, None]
+        o, _ = attend(qp, k, v, mask, scaling)
+        return o[q_valid].to(q.dtype)
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float) -> torch.Tensor:
+        P = meta.page_size
+        Lk = meta.max_kv_len
+        k = gather_by_page_table(k_cache, meta.page_table, P, Lk)
+        v = gather_by_page_table(v_cache, meta.page_table, P, Lk)
+        p = torch.arange(Lk, device=q.device)
+        mask = (p[None, :] < meta.kv_lens.long()[:, None])[:, None, :]
+        o, _ = attend(q[:, None], k, v, mask, scaling)
+        return o[:, 0].to(q.dtype)
+
+    def cascade_draft_decode(
+        self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float
+    ) -> torch.Tensor:
+        P, K = meta.page_size, meta.topk
+        BK, Hq, D = q.shape
+        B = BK // K
+        # Pass 1: the shared whole prefix pages, read once per request for all K branch queries.
+        L1 = meta.shared_page_table.shape[1] * P
+        k1 = gather_by_page_table(k_cache, meta.shared_page_table, P, L1)
+        v1 = gather_by_page_table(v_cache, meta.shared_page_table, P, L1)
+        p1 = torch.arange(L1, device=q.device)
+        m1 = (p1[None, :] < meta.shared_lens.long()[:, None])[:, None, :].expand(B, K, L1)
+        o1, lse1 = attend(q.view(B, K, Hq, D), k1, v1, m1, scaling)
+        # Pass 2: each branch's own pages (duplicated prefix tail + its chain so far).
+        L2 = meta.branch_page_table.shape[1] * P
+        k2 = gather_by_page_table(k_cache, meta.branch_page_table, P, L2)
+        v2 = gather_by_page_table(v_cache, meta.branch_page_table, P, L2)
+        p2 = torch.arange(L2, device=q.device)
+        m2 = (p2[None, :] < meta.branch_lens.long()[:, None])[:, None, :]
+        o2, lse2 = attend(q[:, None], k2, v2, m2, scaling)
+        o = merge_by_lse(o1.reshape(BK, Hq, D), lse1.reshape(BK, Hq), o2[:, 0], lse2[:, 0])
+        return o.to(q.dtype)

@@ -1,0 +1,61 @@
+"""Triton attention backend: every read goes through page tables (extend/verify, split-K decode, cascade)."""
+
+from __future__ import annotations
+
+import torch
+
+from treepage.layers.attention.base import AttentionBackend, AttentionMetadata
+from treepage.layers.attention.triton_ops.cascade_decode import cascade_decode
+from treepage.layers.attention.triton_ops.decode_attention import paged_decode
+from treepage.layers.attention.triton_ops.extend_attention import paged_extend
+
+
+class TritonAttnBackend(AttentionBackend):
+    """Runs natively on CUDA; on CPU tensors through the Triton interpreter (slow, for tests)."""
+
+    name = "triton"
+    supports_paged_tree_draft = True
+
+    def extend(self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float) -> torch.Tensor:
+        return paged_extend(
+            q,
+            k_cache,
+            v_cache,
+            meta.page_table,
+            meta.qo_indptr,
+            meta.prefix_lens,
+            meta.page_size,
+            scaling,
+            max_q_len=meta.max_q_len,
+            max_kv_len=meta.max_kv_len,
+            custom_mask=meta.custom_mask,
+            mask_indptr=meta.mask_indptr,
+        )
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float) -> torch.Tensor:
+        return paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            meta.page_table,
+            meta.kv_lens,
+            meta.page_size,
+            scaling,
+            max_kv_len=meta.max_kv_len,
+        )
+
+    def cascade_draft_decode(
+        self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float
+    ) -> torch.Tensor:
+        return cascade_decode(
+            q,
+            k_cache,
+            v_cache,
+            meta.shared_page_table,
+            meta.shared_lens,
+            meta.branch_page_table,
+            meta.branch_lens,
+            meta.topk,
+            meta.page_size,
+            scaling,
+        )

@@ -1,0 +1,158 @@
+"""Loads a model, owns its KV pool, and runs forwards. The target runner also sizes the shared pools."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from treepage.layers.attention.registry import get_backend_class
+from treepage.managers.utils import get_row_width, get_row_width_extra, speculation_enabled
+from treepage.mem_cache.allocator import PagedAllocator
+from treepage.mem_cache.memory_pool import KVPool, ReqToTokenPool
+from treepage.model_executor.forward_batch import ForwardBatch
+from treepage.models.config import ModelConfig
+from treepage.models.loader import load_config, load_state_dict, load_weights_into
+from treepage.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SharedPools:
+    """One allocator and one ReqToTokenPool serve the target and the draft KV pools (DESIGN §2)."""
+
+    allocator: PagedAllocator
+    req_to_token_pool: ReqToTokenPool
+    context_len: int
+    row_width: int
+
+
+def build_model(config: ModelConfig, max_position: int) -> torch.nn.Module:
+    arch = config.architecture
+    if arch == "LlamaForCausalLMEagle":
+        from treepage.models.llama_eagle import LlamaForCausalLMEagle
+
+        return LlamaForCausalLMEagle(config, max_position)
+    if arch == "LlamaForCausalLMEagle3":
+        from treepage.models.llama_eagle3 import LlamaForCausalLMEagle3
+
+        return LlamaForCausalLMEagle3(config, max_position)
+    from treepage.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM(config, max_position)
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        args: ServerArgs,
+        model_path: str,
+        dtype: torch.dtype,
+        pools: SharedPools | None = None,
+        config: ModelConfig | None = None,
+        draft_bytes_per_token: int = 0,
+    ) -> None:
+        self.args = args
+        self.device = torch.device(args.device)
+        self.dtype = dtype
+        self.page_size = args.page_size
+        self.config = config or load_config(model_path)
+        t0 = time.perf_counter()
+        context_len = pools.context_len if pools else self._context_len()
+        max_position = get_row_width(context_len, args) + 8
+        with torch.device(self.device):
+            self.model = build_model(self.config, max_position)
+        state = load_state_dict(model_path, dtype=torch.float32, device="cpu", progress=True)
+        if hasattr(self.model, "load_weights"):  # draft heads map their released tensor names themselves
+            self.model.load_weights(state)
+        else:
+            load_weights_into(self.model, state, strict=True)
+        self.model.to(device=self.device, dtype=dtype)
+        # RoPE tables stay fp32.
+        for m in self.model.modules():
+            if hasattr(m, "cos") and hasattr(m, "sin"):
+                m.cos, m.sin = m.cos.float(), m.sin.float()
+        self.model.eval()
+        logger.info("loaded %s (%s) in %.1fs", model_path, self.config.architecture, time.perf_counter() - t0)
+        self.pools = pools or self._init_pools(context_len, draft_bytes_per_token)
+        alloc = self.pools.allocator
+        self.kv_pool = KVPool(
+            alloc.num_slots,
+            self.config.num_hidden_layers,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+            dtype,
+            self.device,
+        )
+        self.attn_backend = get_backend_class(args.attention_backend)()
+
+    def _context_len(self) -> int:
+        model_max = self.config.max_position_embeddings
+        if self.args.context_length is None:
+            return model_max
+        return self.args.context_length
+
+    def _init_pools(self, context_len: int, draft_bytes_per_token: int) -> SharedPools:
+        args = self.args
+        P = args.page_size
+        row_width = get_row_width(context_len, args)
+        extra = get_row_width_extra(args)
+        per_token = kv_bytes_per_token(self.config, self.dtype) + draft_bytes_per_token
+        if args.max_total_tokens is not None:
+            total_tokens = args.max_total_tokens
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            frac = args.mem_fraction_static or 0.85
+            budget = free - (1 - frac) * total
+            total_tokens = int(max(budget, 0) // per_token)
+        else:
+            total_tokens = int(args.cpu_kv_cache_gb * (1 << 30) // per_token)
+        num_pages = total_tokens // P
+        if num_pages < 1:
+            raise ValueError(
+                f"the KV pool holds {total_tokens} tokens, less than one page of {P}: raise --max-total-tokens"
+            )
+        allocator = PagedAllocator(num_pages, P, self.device)
+        rows = args.max_running_requests
+        req_pool = ReqToTokenPool(rows, row_width, self.device)
+        logger.info(
+            "KV pool: %d pages x %d = %d tokens; req_to_token %d rows x %d (context %d + extra %d%s), row memory "
+            "%.2f MiB (headroom %.2f MiB)",
+            num_pages,
+            P,
+            num_pages * P,
+            rows,
+            row_width,
+            context_len,
+            extra,
+            " speculative" if speculation_enabled(args) else "",
+            req_pool.req_to_token.numel() * 8 / 2**20,
+            rows * extra * 8 / 2**20,
+        )
+        return SharedPools(allocator, req_pool, context_len, row_width)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (hidden [T, H], logits [rows, V] for fb.logits_indices or None when it is empty)."""
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb)
+        if fb.logits_indices is not None and fb.logits_indices.numel() == 0:
+            return hidden, None
+        sel = hidden if fb.logits_indices is None else hidden[fb.logits_indices]
+        return hidden, self.model.compute_logits(sel)
+
+    def make_batch(self, **kw) -> ForwardBatch:
+        return ForwardBatch(
+            req_to_token=self.pools.req_to_token_pool.req_to_token,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+            page_size=self.page_size,
+            **kw,
+        )

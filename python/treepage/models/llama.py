@@ -1,0 +1,116 @@
+"""Llama-family decoder (RMSNorm, RoPE incl. Llama-3 scaling, GQA, SwiGLU, tied or untied embeddings)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treepage.layers.norm import RMSNorm
+from treepage.layers.rope import RotaryEmbedding
+from treepage.model_executor.forward_batch import CaptureHidden, ForwardBatch
+from treepage.models.config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rope: RotaryEmbedding, in_features: int | None = None
+    ):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden = config.hidden_size
+        in_features = in_features or hidden
+        bias = bool(config.hf_config.get("attention_bias", False))
+        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.scaling = self.head_dim**-0.5
+        self.rope = rope
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        o = fb.attn_backend.forward(q, k, v, self.layer_id, self.scaling, fb)
+        return self.o_proj(o.reshape(T, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rope)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), fb)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3 default capture points: the inputs of layers 2, L//2 and L-3 (0-indexed)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rope = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling)
+        self.rope = rope
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config, i, rope) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward() returns final-norm hidden states [T, H]; logits come from compute_logits on chosen rows."""
+
+    def __init__(self, config: ModelConfig, max_position: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, max_position or config.max_position_embeddings)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.aux_layers = default_aux_layers(config.num_hidden_layers)
+        self.captured: torch.Tensor | None = None  # features for a draft head, [T, F]
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        h = self.model.embed_tokens(fb.input_ids)
+        aux: list[torch.Tensor] = []
+        capture_aux = fb.capture_hidden == CaptureHidden.AUX
+        for i, layer in enumerate(self.model.layers):
+            if capture_aux and i in self.aux_layers:
+                aux.append(h)
+            h = layer(fb.positions, h, fb)
+        h = self.model.norm(h)
+        if capture_aux:
+            self.captured = torch.cat(aux, dim=-1)
+        elif fb.capture_hidden == CaptureHidden.LAST:
+            self.captured = h
+        else:
+            self.captured = None
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

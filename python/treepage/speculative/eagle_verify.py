@@ -1,0 +1,184 @@
+"""Tree verification: greedy walk and target-only tree speculative sampling (lossless), batched.
+
+Both walks share one shape: each node gets a precomputed "would be accepted" flag, the first passing child of
+every node (children in node order = sibling order) is found with one tensor op, and the walk from the root
+is a pointer chase of S gathers. Only the last emitted token differs: the target argmax (greedy) or a draw from
+the target distribution with the rejected siblings removed (sampling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from treepage.speculative.eagle_tree import EagleTree
+
+GREEDY_TEMPERATURE_EPS = 1e-6  # temperatures at or below this are greedy requests
+
+
+@dataclass
+class VerifyResult:
+    """Per request: the accepted path (root first) and the tokens it emits. Index tensors are int64."""
+
+    accept_index: Tensor  # [B, S+1] global rows b*N + node, -1 padded
+    accept_len: Tensor  # [B] root + accepted drafts; equals the number of tokens emitted
+    predict: Tensor  # [B, S+1] accepted drafts then the bonus token, -1 padded
+    accepted_nodes: Tensor  # [B, S+1] local node ids, -1 padded
+
+
+def target_probs_from_logits(logits: Tensor, temperatures: Tensor, top_ps: Tensor, top_ks: Tensor) -> Tensor:
+    """[R, V] logits -> fp32 probabilities: softmax(logits / T), then top-k, then top-p, each renormalised.
+
+    Greedy rows (T <= eps) become one-hot at torch.argmax(logits), the same argmax greedy verification uses,
+    so tree sampling on them reduces exactly to greedy verification. top_k <= 0 or >= V disables top-k; top-k
+    keeps every token whose probability is >= the k-th largest (ties kept, so the result never depends on sort
+    order). top_p >= 1 disables top-p, which keeps the smallest sorted prefix whose mass reaches top_p.
+    """
+    rows, vocab = logits.shape
+    dev = logits.device
+    temperatures = temperatures.to(dev, torch.float32)
+    greedy = temperatures <= GREEDY_TEMPERATURE_EPS
+    temp = torch.where(greedy, 1.0, temperatures)
+    probs = torch.softmax(logits.float() / temp.unsqueeze(1), dim=-1)
+    top_ks = top_ks.to(dev, torch.int64)
+    top_ps = top_ps.to(dev, torch.float32)
+    k = torch.where((top_ks <= 0) | (top_ks > vocab), vocab, top_ks)
+    need_filter = ((k < vocab) | (top_ps < 1.0)) & ~greedy
+    if bool(need_filter.any()):  # one host sync per call; skips a full-vocabulary sort in the common case
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        kth = sorted_p.gather(1, (k - 1).unsqueeze(1))
+        sorted_p = sorted_p.masked_fill(sorted_p < kth, 0.0)  # ties with the k-th value stay: order-free
+        sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
+        before = sorted_p.cumsum(-1) - sorted_p
+        cut = (before >= top_ps.unsqueeze(1)) & (top_ps < 1.0).unsqueeze(1)
+        sorted_p = sorted_p.masked_fill(cut, 0.0)
+        sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
+        probs = torch.where(
+            need_filter.unsqueeze(1), torch.zeros_like(probs).scatter(1, order, sorted_p), probs
+        )
+    one_hot = torch.zeros_like(probs).scatter(1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy.unsqueeze(1), one_hot, probs)
+
+
+def _first_passing_child(parent: Tensor, passes: Tensor) -> Tensor:
+    """[B, N]: for every node, the smallest-index child with passes == True, else -1."""
+    n = parent.shape[1]
+    idx = torch.arange(n, device=parent.device)
+    hit = (parent.unsqueeze(1) == idx.view(1, n, 1)) & passes.unsqueeze(1)  # [B, node c, node m]
+    first = torch.where(hit, idx.view(1, 1, n), n).amin(dim=2)
+    return torch.where(first < n, first, -1)
+
+
+def _walk(tree: EagleTree, passes: Tensor, num_steps: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Accepted nodes [B, S+1], accept_len [B], last node [B], and whether the walk stopped by rejection."""
+    chosen = _first_passing_child(tree.parent, passes)
+    bs = passes.shape[0]
+    cur = torch.zeros(bs, dtype=torch.int64, device=passes.device)
+    active = torch.ones(bs, dtype=torch.bool, device=passes.device)
+    cols = [cur]
+    for _ in range(num_steps):
+        nxt = chosen.gather(1, cur.unsqueeze(1)).squeeze(1)
+        active = active & (nxt >= 0)
+        cur = torch.where(active, nxt, cur)
+        cols.append(torch.where(active, nxt, -1))
+    nodes = torch.stack(cols, dim=1)
+    stopped = chosen.gather(1, cur.unsqueeze(1)).squeeze(1) < 0
+    return nodes, (nodes >= 0).sum(1), cur, stopped
+
+
+def _result(tree: EagleTree, nodes: Tensor, accept_len: Tensor, final_tokens: Tensor) -> VerifyResult:
+    bs, n = tree.draft_tokens.shape
+    drafts = nodes[:, 1:]
+    tokens = tree.draft_tokens.gather(1, drafts.clamp(min=0)).to(torch.int64)
+    pad = torch.full((bs, 1), -1, dtype=torch.int64, device=nodes.device)
+    predict = torch.cat([torch.where(drafts >= 0, tokens, -1), pad], dim=1)
+    predict.scatter_(1, (accept_len - 1).unsqueeze(1), final_tokens.to(torch.int64).unsqueeze(1))
+    base = torch.arange(bs, device=nodes.device).unsqueeze(1) * n
+    accept_index = torch.where(nodes >= 0, base + nodes, -1)
+    return VerifyResult(
+        accept_index=accept_index, accept_len=accept_len, predict=predict, accepted_nodes=nodes
+    )
+
+
+def verify_tree_greedy(tree: EagleTree, target: Tensor, num_steps: int) -> VerifyResult:
+    """Accept, level by level, the first child equal to the target argmax; the bonus is the argmax at the end.
+
+    `target` is either logits ([B*N, V] or [B, N, V], floating) or the argmax itself ([B, N], integer).
+    """
+    bs, n = tree.draft_tokens.shape
+    if target.is_floating_point():
+        target = target.reshape(bs * n, -1).argmax(-1)
+    argmax = target.reshape(bs, n).to(torch.int64)
+    at_parent = argmax.gather(1, tree.parent.clamp(min=0))
+    passes = (tree.draft_tokens.to(torch.int64) == at_parent) & (tree.parent >= 0)
+    nodes, accept_len, last, _ = _walk(tree, passes, num_steps)
+    return _result(tree, nodes, accept_len, argmax.gather(1, last.unsqueeze(1)).squeeze(1))
+
+
+def _sample(probs: Tensor, coin: Tensor) -> Tensor:
+    """Inverse-CDF draw per row of unnormalised non-negative `probs` with one uniform coin per row."""
+    cdf = probs.cumsum(-1)
+    idx = (cdf <= coin.unsqueeze(1) * cdf[:, -1:]).sum(-1)
+    vocab = probs.shape[-1]
+    last_nonzero = vocab - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(-1)
+    return torch.minimum(idx, last_nonzero)
+
+
+def verify_tree_sampling(
+    tree: EagleTree,
+    target_logits: Tensor,
+    temperatures: Tensor,
+    top_ps: Tensor,
+    top_ks: Tensor,
+    num_steps: int,
+    generator: torch.Generator | None = None,
+    draft_probs: Tensor | None = None,
+) -> VerifyResult:
+    """Target-only tree speculative sampling: every emitted token is an exact draw from the target.
+
+    At node c with coin u_c, children are tried in sibling order and child x_j is accepted when
+    u_c < sum_{i<=j} p_c(x_i) (an inverse-CDF line over p_c with the children first), so x_j is emitted with
+    probability p_c(x_j). If none passes, the last token is drawn from p_c without the (all rejected)
+    children, renormalised: total probability p_c(t) for every other t. Siblings must be distinct tokens,
+    which holds for drafts taken from one top-K. Greedy rows (T = 0) are one-hot, hence exactly greedy.
+    """
+    if draft_probs is not None:
+        raise NotImplementedError(
+            "draft_probs: only the target-only scheme (deterministic top-K drafts) is implemented; "
+            "drafts sampled from the draft distribution would need a rejection-sampling verifier"
+        )
+    bs, n = tree.draft_tokens.shape
+    dev = tree.draft_tokens.device
+    logits = target_logits.reshape(bs * n, -1)
+    vocab = logits.shape[1]
+    probs = target_probs_from_logits(
+        logits, temperatures.repeat_interleave(n), top_ps.repeat_interleave(n), top_ks.repeat_interleave(n)
+    ).view(bs, n, vocab)
+    coins = torch.rand(bs, n + 1, device=dev, generator=generator)
+    tokens = tree.draft_tokens.to(torch.int64)
+    parent = tree.parent
+    # p_node[m] = probability of node m's token under its parent's distribution
+    p_node = probs.view(bs, n * vocab).gather(1, parent.clamp(min=0) * vocab + tokens)
+    p_node = torch.where(parent >= 0, p_node, 0.0)
+    idx = torch.arange(n, device=dev)
+    earlier_sibling = (parent.unsqueeze(2) == parent.unsqueeze(1)) & (idx.view(1, 1, n) <= idx.view(1, n, 1))
+    acc = torch.einsum("bmj,bj->bm", earlier_sibling.float(), p_node)
+    passes = (p_node > 0) & (coins[:, :n].gather(1, parent.clamp(min=0)) < acc) & (parent >= 0)
+    nodes, accept_len, last, stopped = _walk(tree, passes, num_steps)
+    # residual at the last node: its children were all rejected when the walk stopped there
+    rejected = ((parent == last.unsqueeze(1)) & stopped.unsqueeze(1)).float()
+    removed = torch.zeros(bs, vocab, device=dev).scatter_add_(1, tokens, rejected) > 0
+    p_last = probs[torch.arange(bs, device=dev), last]
+    residual = p_last.masked_fill(removed, 0.0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_last)  # rounding guard
+    return _result(tree, nodes, accept_len, _sample(residual, coins[:, n]))
+
+
+def first_branch_of(tree: EagleTree, accepted_nodes: Tensor) -> Tensor:
+    """[B]: sibling rank (0..K-1) of the depth-1 node on the accepted path, -1 when no draft was accepted."""
+    node = accepted_nodes[:, 1]
+    n = tree.num_nodes
+    earlier = (tree.depth == 1) & (torch.arange(n, device=node.device).unsqueeze(0) < node.unsqueeze(1))
+    return torch.where(node >= 1, earlier.sum(1), -1)

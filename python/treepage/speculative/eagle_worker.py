@@ -1,0 +1,310 @@
+"""Spec v1: synchronous EAGLE / EAGLE-3 / STANDALONE rounds (draft tree -> verify -> draft extend -> commit).
+
+One round per request batch (DESIGN §5). The draft KV uses the holey per-branch layout of draft_layout.py
+(degrading to the contiguous layout at P == 1 or K == 1); the target verifies the N tree tokens in the
+contiguous window [L, L+N) of the same rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from treepage.layers.sampler import sample
+from treepage.managers.schedule_batch import Req
+from treepage.managers.tp_worker import TpWorker
+from treepage.model_executor.forward_batch import CaptureHidden, ForwardMode
+from treepage.model_executor.model_runner import ModelRunner, kv_bytes_per_token
+from treepage.models.config import ModelConfig
+from treepage.models.loader import load_config
+from treepage.server_args import ServerArgs
+from treepage.speculative import draft_layout as dl
+from treepage.speculative.eagle_info_v2 import duplicate_prefix_tail_to_draft_branches
+from treepage.speculative.eagle_tree import build_tree, draft_step_first, draft_step_last, draft_step_next
+from treepage.speculative.eagle_verify import VerifyResult, first_branch_of, verify_tree_greedy, verify_tree_sampling
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecState:
+    """Per request, carried between rounds: committed target KV length, the root and the next tree's step 0."""
+
+    committed: int
+    root: int
+    topk_p: torch.Tensor  # [K]
+    topk_index: torch.Tensor  # [K] target ids
+    hidden: torch.Tensor  # [H] draft recurrent state of the row that consumed the root
+
+
+@dataclass
+class RoundResult:
+    tokens: list[list[int]]  # emitted per request (accepted drafts + bonus)
+    committed: list[int]  # new committed length per request
+
+
+class SpecDebugCounters:
+    """Per-round accepted depth and the branch of the accepted path (tests and benchmarks read these)."""
+
+    def __init__(self) -> None:
+        self.rounds = 0
+        self.emitted = 0
+        self.accept_len_hist: Counter[int] = Counter()
+        self.branch_hist: Counter[int] = Counter()
+
+    def record(self, accept_len: list[int], branch: list[int]) -> None:
+        self.rounds += len(accept_len)
+        self.emitted += sum(accept_len)
+        self.accept_len_hist.update(accept_len)
+        self.branch_hist.update(branch)
+
+    def to_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "emitted": self.emitted,
+            "accept_len_hist": dict(sorted(self.accept_len_hist.items())),
+            "branch_hist": dict(sorted(self.branch_hist.items())),
+        }
+
+
+class EagleWorker(TpWorker):
+    def __init__(self, args: ServerArgs, target: ModelRunner, draft: ModelRunner) -> None:
+        super().__init__(target)
+        self.args = args
+        self.target = target
+        self.draft = draft
+        self.P = args.page_size
+        self.K = args.speculative_eagle_topk
+        self.S = args.speculative_num_steps
+        self.N = args.speculative_num_draft_tokens
+        self.fixed_accept = args.speculative_debug_fixed_accept_len
+        kind = getattr(draft.model, "feature_kind", None)
+        self.capture = {"last": CaptureHidden.LAST, "aux": CaptureHidden.AUX}.get(kind, CaptureHidden.NONE)
+        self.states: dict[str, SpecState] = {}
+        self.debug = SpecDebugCounters()
+
+    # ---- scheduler hooks --------------------------------------------------------------------------------------
+    def forget(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.states.pop(rid, None)
+
+    def committed_len_for_alloc(self, r: Req) -> int:
+        return r.kv_committed_len
+
+    # ---- draft model helpers ----------------------------------------------------------------------------------
+    def _draft_logits_topk(self, hidden: torch.Tensor):
+        logits = self.draft.model.compute_logits(hidden)
+        probs = torch.softmax(logits.float(), dim=-1)
+        p, idx = probs.topk(self.K, dim=-1)
+        mapper = getattr(self.draft.model, "map_to_target_ids", None)
+        return p, (mapper(idx) if mapper else idx)
+
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.target.model.captured if self.capture != CaptureHidden.NONE else None
+
+    @torch.inference_mode()
+    def _draft_extend(self, reqs, rows, tokens: list[list[int]], prefix: list[int], features) -> None:
+        """Draft consumes (token at p+1, target feature at p) pairs; its last row seeds the next tree."""
+        fb = self.extend_batch(reqs, tokens, prefix)
+        fb.input_hidden = features
+        h = self.draft.model(self._with_draft(fb))
+        last = fb.logits_indices
+        p, idx = self._draft_logits_topk(h[last])
+        for i, r in enumerate(reqs):
+            st = self.states.get(r.rid)
+            root = tokens[i][-1]
+            committed = prefix[i] + len(tokens[i])
+            if st is None:
+                self.states[r.rid] = SpecState(committed, root, p[i], idx[i], h[last[i]])
+            else:
+                st.committed, st.root, st.topk_p, st.topk_index, st.hidden = committed, root, p[i], idx[i], h[last[i]]
+
+    def _with_draft(self, fb):
+        fb.kv_pool = self.draft.kv_pool
+        fb.attn_backend = self.draft.attn_backend
+        self.draft.attn_backend.init_forward_metadata(fb)
+        return fb
+
+    # ---- prefill ----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, reqs: list[Req]) -> list[list[int]]:
+        ids = [r.all_ids() for r in reqs]
+        fb = self.extend_batch(reqs, ids, [0] * len(reqs))
+        fb.capture_hidden = self.capture
+        _, logits = self.target.forward(fb)
+        features = self._features(None)
+        first = sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
+        shifted = [x[1:] + [t] for x, t in zip(ids, first)]
+        self._draft_extend(reqs, None, shifted, [0] * len(reqs), features)
+        for r, x in zip(reqs, ids):
+            r.kv_committed_len = len(x)
+        return [[t] for t in first]
+
+    # ---- one round ----------------------------------------------------------------------------------------------
+    def decode(self, reqs: list[Req]) -> list[list[int]]:
+        res = self.run_round(reqs, [r.allocated_len for r in reqs])
+        for r, n in zip(reqs, res.committed):
+            r.kv_committed_len = n
+        return res.tokens
+
+    @torch.inference_mode()
+    def run_round(self, reqs: list[Req], allocated: list[int]) -> RoundResult:
+        K, S, N, P = self.K, self.S, self.N, self.P
+        dev = self.device
+        states = [self.states[r.rid] for r in reqs]
+        B = len(reqs)
+        rows = self._tensor([r.row for r in reqs])
+        L_cpu = [s.committed for s in states]
+        L = self._tensor(L_cpu)
+        rtt = self.pools.req_to_token_pool.req_to_token
+        layout = dl.compute_draft_layout(L, P, K, S)
+        # Fail fast rather than read or write outside the request's allocation.
+        touched = torch.maximum(dl.draft_region_end(layout), L + N).tolist()
+        bad = [(r.rid, t, a) for r, t, a in zip(reqs, touched, allocated) if t > a]
+        if bad:
+            raise RuntimeError(f"speculative round would touch positions past the allocation: {bad[:4]}")
+        out_loc = dl.draft_out_cache_loc(rtt, rows, layout)  # [B, K, S]
+        if P > 1 and K > 1:
+            duplicate_prefix_tail_to_draft_branches(self.draft.kv_pool, rtt, rows, layout)
+
+        # Draft: S steps grow the dynamic tree (S - 1 forwards; step 0 comes from the last draft extend).
+        topk_p = torch.stack([s.topk_p for s in states])
+        topk_index = torch.stack([s.topk_index for s in states])
+        hidden0 = torch.stack([s.hidden for s in states])
+        state, ids, hidden = draft_step_first(topk_p, topk_index, hidden0)
+        for i in range(1, S):
+            fb = self.draft.make_batch(
+                mode=ForwardMode.DRAFT_DECODE,
+                input_ids=ids,
+                positions=(L + i - 1).repeat_interleave(K),
+                out_cache_loc=out_loc[:, :, i - 1].reshape(-1),
+                req_rows=rows,
+                draft_layout=layout,
+                draft_step=i - 1,
+                topk=K,
+                input_hidden=hidden,
+            )
+            self.draft.attn_backend.init_forward_metadata(fb)
+            h = self.draft.model(fb)
+            p, idx = self._draft_logits_topk(h)
+            if i < S - 1:
+                ids, hidden = draft_step_next(i, state, p, idx, h)
+                if K > 1:
+                    self._regather_lanes(out_loc, state.last_parent_rows, i)
+            else:
+                draft_step_last(i, state, p, idx)
+        roots = self._tensor([s.root for s in states])
+        tree = build_tree(state, roots, L, N, K, S)
+
+        # Verify: the target runs the N tree tokens in the window [L, L+N) under the tree mask.
+        win = L[:, None] + torch.arange(N, device=dev)[None, :]
+        fb = self.target.make_batch(
+            mode=ForwardMode.TARGET_VERIFY,
+            input_ids=tree.draft_tokens.reshape(-1),
+            positions=tree.positions.reshape(-1),
+            out_cache_loc=rtt[rows[:, None], win].reshape(-1),
+            req_rows=rows,
+            prefix_lens=L,
+            extend_lens=torch.full((B,), N, dtype=torch.int64, device=dev),
+            prefix_lens_cpu=L_cpu,
+            extend_lens_cpu=[N] * B,
+            tree_mask=tree.tree_mask,
+            capture_hidden=self.capture,
+        )
+        _, logits = self.target.forward(fb)
+        features = self._features(None)
+        res = self._verify(reqs, tree, logits)
+        a = res.accept_len
+        a_cpu = a.tolist()
+
+        # Move the accepted path's target KV to [L, L + accept_len).
+        j = torch.arange(S + 1, device=dev)[None, :]
+        valid = j < a[:, None]
+        nodes = res.accepted_nodes.clamp(min=0)
+        move = valid & (nodes != j)
+        if bool(move.any()):
+            src = rtt[rows[:, None], L[:, None] + nodes][move]
+            dst = rtt[rows[:, None], L[:, None] + j][move]
+            self.target.kv_pool.move_kv_cache(dst, src)
+
+        # Draft extend over the accepted pairs, then commit.
+        predict = res.predict
+        tokens = [predict[b, : a_cpu[b]].tolist() for b in range(B)]
+        feats = features[res.accept_index[valid]] if features is not None else None
+        self._draft_extend(reqs, rows, tokens, L_cpu, feats)
+        self.debug.record(a_cpu, first_branch_of(tree, res.accepted_nodes).tolist())
+        for r, n in zip(reqs, a_cpu):
+            r.spec_verify_ct += 1
+            r.spec_accepted_drafts += n - 1
+        return RoundResult(tokens, [x + n for x, n in zip(L_cpu, a_cpu)])
+
+    def _regather_lanes(self, out_loc: torch.Tensor, parent_rows: torch.Tensor, step: int) -> None:
+        """Give frontier row k the draft KV of its own ancestors: lane k's steps [0, step) := lane parent_rows[k]'s.
+
+        The frontier is re-ranked every step, so row k may descend from another lane; without this copy it would
+        attend a different branch's history (a draft-quality loss, never a correctness one). The copy touches
+        only the branches' own chain slots, never the duplicated prefix tail.
+        """
+        B, K, _ = out_loc.shape
+        lanes = torch.arange(K, device=out_loc.device)[None, :]
+        if bool((parent_rows == lanes).all()):
+            return
+        src = out_loc[torch.arange(B, device=out_loc.device)[:, None], parent_rows, :step]  # [B, K, step]
+        dst = out_loc[:, :, :step]
+        self.draft.kv_pool.move_kv_cache(dst.reshape(-1), src.reshape(-1))
+
+    def _verify(self, reqs: list[Req], tree, logits: torch.Tensor) -> VerifyResult:
+        if self.fixed_accept is not None:
+            return self._fixed_accept(tree, logits)
+        if all(r.sampling.greedy for r in reqs):
+            return verify_tree_greedy(tree, logits, self.S)
+        dev = logits.device
+        sp = [r.sampling for r in reqs]
+        temps = torch.tensor([0.0 if s.greedy else s.temperature for s in sp], device=dev)
+        top_ps = torch.tensor([s.top_p for s in sp], device=dev)
+        top_ks = torch.tensor([s.top_k for s in sp], device=dev)
+        gen = next((r.generator for r in reqs if r.generator is not None), None)
+        return verify_tree_sampling(tree, logits, temps, top_ps, top_ks, self.S, generator=gen)
+
+    def _fixed_accept(self, tree, logits: torch.Tensor) -> VerifyResult:
+        """Debug knob: accept the first-child chain to a fixed depth regardless of the target."""
+        B, N = tree.draft_tokens.shape
+        want = self.fixed_accept
+        nodes = torch.full((B, self.S + 1), -1, dtype=torch.int64, device=logits.device)
+        nodes[:, 0] = 0
+        cur = torch.zeros(B, dtype=torch.int64, device=logits.device)
+        alen = torch.ones(B, dtype=torch.int64, device=logits.device)
+        for d in range(1, want):
+            nxt = tree.retrieve_next_token.gather(1, cur[:, None])[:, 0]
+            ok = nxt >= 0
+            cur = torch.where(ok, nxt, cur)
+            nodes[:, d] = torch.where(ok & (alen == d), nxt, nodes[:, d])
+            alen = torch.where(ok & (alen == d), alen + 1, alen)
+        argmax = logits.view(B, N, -1).argmax(-1)
+        predict = torch.full_like(nodes, -1)
+        for d in range(self.S + 1):
+            node = nodes[:, d]
+            tok = tree.draft_tokens.gather(1, node.clamp(min=0)[:, None])[:, 0]
+            bonus = argmax.gather(1, node.clamp(min=0)[:, None])[:, 0]
+            if d >= 1:
+                predict[:, d - 1] = torch.where(node >= 0, tok, predict[:, d - 1])
+            predict[:, d] = torch.where((node >= 0) & (alen == d + 1), bonus, predict[:, d])
+        base = torch.arange(B, device=logits.device)[:, None] * N
+        return VerifyResult(torch.where(nodes >= 0, base + nodes, -1), alen, predict, nodes)
+
+
+def build_speculative_worker(args: ServerArgs, config: ModelConfig, dtype: torch.dtype) -> TpWorker:
+    draft_config = load_config(args.speculative_draft_model_path)
+    target = ModelRunner(args, args.model_path, dtype, config=config,
+                         draft_bytes_per_token=kv_bytes_per_token(draft_config, dtype))
+    draft = ModelRunner(args, args.speculative_draft_model_path, dtype, pools=target.pools, config=draft_config)
+    if hasattr(draft.model, "bind_target"):
+        draft.model.bind_target(target.model)
+    if args.spec_version == 2:
+        from treepage.speculative.eagle_worker_v2 import EagleWorkerV2
+
+        return EagleWorkerV2(args, target, draft)
+    return EagleWorker(args, target, draft)
