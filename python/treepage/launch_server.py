@@ -30,7 +30,9 @@ def _loading_context(args: ServerArgs) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)  # argparse reports unknown flags and bad choices itself (exit code 2)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
     )
     # Imported late so a flag typo is reported before torch is loaded.
     from treepage.entrypoints.engine import Engine

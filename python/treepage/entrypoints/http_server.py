@@ -42,7 +42,12 @@ logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 20.0
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 _SSE_DONE = "data: [DONE]\n\n"
 
 
@@ -55,7 +60,13 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         kind = _ERROR_TYPES.get(self.status, str(self.status))
-        return {"object": "error", "message": self.message, "type": kind, "param": self.param, "code": self.status}
+        return {
+            "object": "error",
+            "message": self.message,
+            "type": kind,
+            "param": self.param,
+            "code": self.status,
+        }
 
 
 def _sse(obj: dict) -> str:
@@ -233,7 +244,9 @@ async def _openai_events(
         if delta or finish:
             yield _sse({**head, "choices": [chunk(i, delta, finish, matched)]})
     if include_usage:
-        yield _sse({**head, "choices": [], "usage": usage(sum(p for p, _ in totals), sum(c for _, c in totals))})
+        yield _sse(
+            {**head, "choices": [], "usage": usage(sum(p for p, _ in totals), sum(c for _, c in totals))}
+        )
     yield _SSE_DONE
 
 
@@ -260,8 +273,12 @@ class _EngineCollector:
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"treepage:{name}", doc, value=float(value))
-        yield CounterMetricFamily("treepage:prompt_tokens", "Prompt tokens prefilled.", value=st.prompt_tokens_total)
-        yield CounterMetricFamily("treepage:generation_tokens", "Tokens generated.", value=st.gen_tokens_total)
+        yield CounterMetricFamily(
+            "treepage:prompt_tokens", "Prompt tokens prefilled.", value=st.prompt_tokens_total
+        )
+        yield CounterMetricFamily(
+            "treepage:generation_tokens", "Tokens generated.", value=st.gen_tokens_total
+        )
 
 
 # ---- the app ----------------------------------------------------------------------------------------------------
@@ -305,10 +322,21 @@ def create_app(engine: Engine) -> FastAPI:
         cid = f"cmpl-{uuid.uuid4().hex}"
         rids = _rids(body.rid or cid, len(prompts))
         subs = _submit(engine, [(ids, body.sampling_params(max_tokens), r) for ids, r in zip(prompts, rids)])
-        head = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": engine.model_name}
+        head = {
+            "id": cid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": engine.model_name,
+        }
 
         def choice(i: int, text: str, finish: str | None, matched: Any) -> dict:
-            return {"index": i, "text": text, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+            return {
+                "index": i,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish,
+                "matched_stop": matched,
+            }
 
         if body.stream:
             events = _openai_events(subs, _stops(body.stop), choice, head, body.include_usage)
@@ -341,7 +369,13 @@ def create_app(engine: Engine) -> FastAPI:
 
         def chunk(i: int, text: str, finish: str | None, matched: Any) -> dict:
             delta = {"content": text} if text else {}
-            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+            return {
+                "index": i,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": finish,
+                "matched_stop": matched,
+            }
 
         if body.stream:
             role = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -353,7 +387,13 @@ def create_app(engine: Engine) -> FastAPI:
         out = finals[0]
         finish, matched = openai_finish_reason(out["meta_info"])
         message = {"role": "assistant", "content": out["text"]}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": finish,
+            "matched_stop": matched,
+        }
         result = {**head, "object": "chat.completion", "choices": [choice], "usage": _total_usage(finals)}
         return JSONResponse(result)
 
@@ -424,7 +464,9 @@ def create_app(engine: Engine) -> FastAPI:
     async def health_generate() -> Response:
         if not scheduler_alive():
             return Response(status_code=503)
-        subs = _submit(engine, [([0], {"max_new_tokens": 1, "temperature": 0.0}, f"health-{uuid.uuid4().hex}")])
+        subs = _submit(
+            engine, [([0], {"max_new_tokens": 1, "temperature": 0.0}, f"health-{uuid.uuid4().hex}")]
+        )
         try:
             finals = await asyncio.wait_for(_collect(subs), HEALTH_TIMEOUT_S)
         except TimeoutError:

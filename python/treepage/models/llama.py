@@ -66,8 +66,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3 default capture points: the inputs of layers 2, L//2 and L-3 (0-indexed)."""
-    return [2, num_layers // 2, num_layers - 3]
+    """EAGLE-3 default capture points: the inputs of layers 2, L//2 and L-3 (0-indexed; clamped for tiny models)."""
+    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
 
 
 class LlamaModel(nn.Module):
@@ -97,15 +97,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         h = self.model.embed_tokens(fb.input_ids)
-        aux: list[torch.Tensor] = []
+        aux: dict[int, torch.Tensor] = {}
         capture_aux = fb.capture_hidden == CaptureHidden.AUX
         for i, layer in enumerate(self.model.layers):
             if capture_aux and i in self.aux_layers:
-                aux.append(h)
+                aux[i] = h
             h = layer(fb.positions, h, fb)
+        if capture_aux and len(self.model.layers) in self.aux_layers:
+            aux[len(self.model.layers)] = h
         h = self.model.norm(h)
         if capture_aux:
-            self.captured = torch.cat(aux, dim=-1)
+            self.captured = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
         elif fb.capture_hidden == CaptureHidden.LAST:
             self.captured = h
         else:

@@ -176,4 +176,4 @@ class LlamaForCausalLMEagle3(nn.Module):
         return self.lm_head(self.norm(hidden)).float()
 
     def map_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids
+        return draft_ids + self.d2t[draft_ids]

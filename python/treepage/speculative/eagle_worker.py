@@ -298,11 +298,16 @@ class EagleWorker(TpWorker):
 
 def build_speculative_worker(args: ServerArgs, config: ModelConfig, dtype: torch.dtype) -> TpWorker:
     draft_config = load_config(args.speculative_draft_model_path)
+    head = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}.get(args.speculative_algorithm)
+    if head and draft_config.architecture != head:
+        # The original EAGLE-1 releases say "LlamaForCausalLM"; the algorithm flag says what the weights are.
+        draft_config.architecture = head
     target = ModelRunner(args, args.model_path, dtype, config=config,
                          draft_bytes_per_token=kv_bytes_per_token(draft_config, dtype))
     draft = ModelRunner(args, args.speculative_draft_model_path, dtype, pools=target.pools, config=draft_config)
     if hasattr(draft.model, "bind_target"):
         draft.model.bind_target(target.model)
+
     if args.spec_version == 2:
         from treepage.speculative.eagle_worker_v2 import EagleWorkerV2
 

@@ -1,0 +1,46 @@
+"""Checkpoints for speculative tests: a sharp tiny target and drafts that agree with it often, not always."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import _save_tiny_llama
+
+
+def make_sharp_target(out_dir: str, seed: int = 0, num_layers: int = 4, sharpen: float = 30.0) -> str:
+    """A tiny random Llama whose final norm is scaled up: peaked next-token distributions, like a real model's,
+    so greedy chains are stable and a draft close to it is accepted deep into the tree."""
+    _save_tiny_llama(out_dir, seed=seed, num_hidden_layers=num_layers)
+    path = os.path.join(out_dir, "model.safetensors")
+    sd = load_file(path)
+    sd["model.norm.weight"] = sd["model.norm.weight"] * sharpen
+    save_file(sd, path, metadata={"format": "pt"})
+    return out_dir
+
+
+def make_perturbed_copy(target_dir: str, out_dir: str, noise: float, seed: int = 1) -> str:
+    """A STANDALONE draft: the target's weights plus Gaussian noise."""
+    shutil.copytree(target_dir, out_dir, dirs_exist_ok=True)
+    path = os.path.join(out_dir, "model.safetensors")
+    sd = load_file(path)
+    g = torch.Generator().manual_seed(seed)
+    sd = {k: (v + noise * torch.randn(v.shape, generator=g)).contiguous() for k, v in sd.items()}
+    save_file(sd, path, metadata={"format": "pt"})
+    return out_dir
+
+
+def make_eagle_head(target_dir: str, out_dir: str, algorithm: str, seed: int = 0) -> str:
+    from treepage.models.config import ModelConfig  # noqa: F401  (imported for type clarity)
+    from treepage.models.eagle_checkpoint import random_eagle_head, save_eagle_head
+    from treepage.models.loader import load_config
+
+    cfg, state = random_eagle_head(load_config(target_dir), algorithm, seed=seed)
+    save_eagle_head(out_dir, cfg, state)
+    for name in os.listdir(target_dir):  # heads ship without a tokenizer; the target's is used
+        if name.startswith("tokenizer") or name == "special_tokens_map.json":
+            shutil.copy(os.path.join(target_dir, name), out_dir)
+    return out_dir
