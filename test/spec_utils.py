@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from conftest import _save_tiny_llama
 
 
-def make_sharp_target(out_dir: str, seed: int = 0, num_layers: int = 4, sharpen: float = 30.0) -> str:
+def make_sharp_target(out_dir: str, seed: int = 0, num_layers: int = 4, sharpen: float = 4.0) -> str:
     """A tiny random Llama whose final norm is scaled up: peaked next-token distributions, like a real model's,
     so greedy chains are stable and a draft close to it is accepted deep into the tree."""
     _save_tiny_llama(out_dir, seed=seed, num_hidden_layers=num_layers)

@@ -32,6 +32,7 @@ def server(tiny_llama_dir, tmp_path_factory):
             "--page-size", "4", "--max-total-tokens", "8192"]  # fmt: skip
     with launch_server(args, log) as url:
         yield Server(url, log)
+    assert "Traceback" not in log.read_text(errors="replace"), log_tail(log, 200)  # no hidden 500s or crashes
 
 
 def _memory(url: str) -> dict:

@@ -27,7 +27,7 @@ def ckpts(tmp_path_factory):
     target = make_sharp_target(str(root / "target"))
     return {
         "target": target,
-        "STANDALONE": make_perturbed_copy(target, str(root / "standalone"), noise=0.05),
+        "STANDALONE": make_perturbed_copy(target, str(root / "standalone"), noise=0.02),
         "EAGLE": make_eagle_head(target, str(root / "eagle"), "EAGLE"),
         "EAGLE3": make_eagle_head(target, str(root / "eagle3"), "EAGLE3"),
     }

@@ -11,9 +11,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from treepage.managers.schedule_batch import FinishReason, Req
-from treepage.managers.utils import ceil_div, get_alloc_reserve_per_decode
+from treepage.managers.utils import ceil_div, get_alloc_reserve_per_decode, next_alloc_target
 from treepage.mem_cache.memory_pool import free_row, grow_row
-from treepage.speculative.eagle_info_v2 import reserve_decode_slots
+from treepage.speculative.eagle_info_v2 import RowWidthError, check_row_width, reserve_decode_slots
 
 logger = logging.getLogger(__name__)
 
@@ -208,22 +208,53 @@ class Scheduler:
         """Reserve this round's KV (checking the row width first); retract requests when pages run out."""
         while self.running:
             reqs = self.running
-            lens = reserve_decode_slots(
-                self.req_pool,
-                self.allocator,
-                [r.row for r in reqs],
-                [r.allocated_len for r in reqs],
-                [self.worker.committed_len_for_alloc(r) for r in reqs],
-                self.reserve,
-                self.page_size,
-                self.spec_desc,
-            )
+            try:
+                lens = self._reserve(reqs)
+            except RowWidthError:
+                self._abort_overflowing_rows(reqs)
+                continue
             if lens is not None:
                 for r, n in zip(reqs, lens):
                     r.allocated_len = n
                 return reqs
             self._retract_one()
         return []
+
+    def _reserve(self, reqs: list[Req]) -> list[int] | None:
+        return reserve_decode_slots(
+            self.req_pool,
+            self.allocator,
+            [r.row for r in reqs],
+            [r.allocated_len for r in reqs],
+            [self.worker.committed_len_for_alloc(r) for r in reqs],
+            self.reserve,
+            self.page_size,
+            self.spec_desc,
+        )
+
+    def _abort_overflowing_rows(self, reqs: list[Req]) -> None:
+        """The row-width invariant fired: fail exactly the requests whose round would not fit their row."""
+        self.worker.forget([])  # drain an in-flight round before touching any request's memory
+        for r in list(reqs):
+            try:
+                check_row_width(
+                    [
+                        next_alloc_target(
+                            r.allocated_len,
+                            self.worker.committed_len_for_alloc(r),
+                            self.reserve,
+                            self.page_size,
+                        )
+                    ],
+                    self.req_pool.row_width,
+                    self.page_size,
+                    *self.spec_desc,
+                )
+            except RowWidthError as err:
+                logger.error("request %s stopped: %s", r.rid, err)
+                self.running.remove(r)
+                self.worker.forget([r.rid])
+                self._finish(r, FinishReason("abort", message=str(err)))
 
     def _retract_one(self) -> None:
         victim = max(self.running, key=lambda r: r.created)

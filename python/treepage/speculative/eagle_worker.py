@@ -24,7 +24,12 @@ from treepage.server_args import ServerArgs
 from treepage.speculative import draft_layout as dl
 from treepage.speculative.eagle_info_v2 import duplicate_prefix_tail_to_draft_branches
 from treepage.speculative.eagle_tree import build_tree, draft_step_first, draft_step_last, draft_step_next
-from treepage.speculative.eagle_verify import VerifyResult, first_branch_of, verify_tree_greedy, verify_tree_sampling
+from treepage.speculative.eagle_verify import (
+    VerifyResult,
+    first_branch_of,
+    verify_tree_greedy,
+    verify_tree_sampling,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +125,13 @@ class EagleWorker(TpWorker):
             if st is None:
                 self.states[r.rid] = SpecState(committed, root, p[i], idx[i], h[last[i]])
             else:
-                st.committed, st.root, st.topk_p, st.topk_index, st.hidden = committed, root, p[i], idx[i], h[last[i]]
+                st.committed, st.root, st.topk_p, st.topk_index, st.hidden = (
+                    committed,
+                    root,
+                    p[i],
+                    idx[i],
+                    h[last[i]],
+                )
 
     def _with_draft(self, fb):
         fb.kv_pool = self.draft.kv_pool
@@ -298,13 +309,22 @@ class EagleWorker(TpWorker):
 
 def build_speculative_worker(args: ServerArgs, config: ModelConfig, dtype: torch.dtype) -> TpWorker:
     draft_config = load_config(args.speculative_draft_model_path)
-    head = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}.get(args.speculative_algorithm)
+    head = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}.get(
+        args.speculative_algorithm
+    )
     if head and draft_config.architecture != head:
         # The original EAGLE-1 releases say "LlamaForCausalLM"; the algorithm flag says what the weights are.
         draft_config.architecture = head
-    target = ModelRunner(args, args.model_path, dtype, config=config,
-                         draft_bytes_per_token=kv_bytes_per_token(draft_config, dtype))
-    draft = ModelRunner(args, args.speculative_draft_model_path, dtype, pools=target.pools, config=draft_config)
+    target = ModelRunner(
+        args,
+        args.model_path,
+        dtype,
+        config=config,
+        draft_bytes_per_token=kv_bytes_per_token(draft_config, dtype),
+    )
+    draft = ModelRunner(
+        args, args.speculative_draft_model_path, dtype, pools=target.pools, config=draft_config
+    )
     if hasattr(draft.model, "bind_target"):
         draft.model.bind_target(target.model)
 

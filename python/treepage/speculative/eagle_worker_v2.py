@@ -33,7 +33,9 @@ class EagleWorkerV2(EagleWorker):
             self.pending[r.rid] = toks
 
     def decode(self, reqs: list[Req]) -> list[list[int]]:
-        if self.pending or (self.inflight is not None and [r.rid for r in self.inflight[0]] != [r.rid for r in reqs]):
+        if self.pending or (
+            self.inflight is not None and [r.rid for r in self.inflight[0]] != [r.rid for r in reqs]
+        ):
             self._drain()
             return [self.pending.pop(r.rid, []) for r in reqs]
         fut = self.executor.submit(self.run_round, list(reqs), [r.allocated_len for r in reqs])
