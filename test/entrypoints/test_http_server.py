@@ -121,6 +121,13 @@ def test_completion_batch_prompt_keeps_order(client, url):
             choice.text == generate(url, text=prompt, sampling_params={"max_new_tokens": 3, **GREEDY})["text"]
         )
     assert r.usage.completion_tokens == 6
+    texts = ["", ""]
+    stream = client.completions.create(model=MODEL, prompt=["a", "b c"], max_tokens=3, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in r.choices]
 
 
 def test_chat_uses_the_chat_template(client, url, tokenizer):
@@ -229,6 +236,15 @@ def test_client_disconnect_mid_stream_aborts(url, server):
     )
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "abc", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
+
+
+def test_client_timeout_on_non_stream_request_aborts(url, server):
+    before = gen_tokens_total(url)
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 500, **GREEDY}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+    assert_no_leaks(server)
+    assert gen_tokens_total(url) - before < 500, "the request ran to completion after its client left"
 
 
 def test_abort_request_ends_the_stream_with_an_error(url):
@@ -380,3 +396,19 @@ def test_stream_safe_len_holds_back_partial_stops():
     assert stream_safe_len("hello", ["xyz"]) == 5
     assert stream_safe_len("abab", ["bab!", "b"]) == 1  # longest held tail wins: "bab"
     assert stream_safe_len("", ["ab"]) == 0
+
+
+def test_full_queue_is_503_and_frees_everything(tiny_llama_dir, tmp_path):
+    """A batch larger than --max-queued-requests allows: 503, and the part already queued is aborted."""
+    args = ["--model-path", tiny_llama_dir, "--max-running-requests", "1", "--max-queued-requests", "1",
+            "--skip-server-warmup"]  # fmt: skip
+    log = tmp_path / "server.log"
+    with launch_server(args, log) as base:
+        body = {"text": ["a", "b", "c"], "sampling_params": {"max_new_tokens": 50, **GREEDY}}
+        r = httpx.post(f"{base}/generate", json=body, timeout=60)
+        assert r.status_code == 503, r.text
+        assert r.json()["type"] == "ServiceUnavailableError" and "queue" in r.json()["message"]
+        assert_no_leaks(Server(base, log))
+        again = generate(base, text="a", sampling_params={"max_new_tokens": 2})
+        assert again["meta_info"]["completion_tokens"] <= 2
+    assert "Traceback" not in log.read_text(errors="replace"), log_tail(log, 200)

@@ -206,12 +206,18 @@ class Engine:
             "speculative_eagle_topk": a.speculative_eagle_topk,
             "speculative_num_draft_tokens": a.speculative_num_draft_tokens,
             "spec_version": a.spec_version,
-            "avg_spec_accept_length": st.avg_spec_accept_length,
+            "avg_spec_accept_length": self.avg_spec_accept_length(),
+            "spec_debug": self.worker.debug.to_dict() if hasattr(self.worker, "debug") else None,
             "num_running_reqs": st.num_running,
             "num_waiting_reqs": st.num_waiting,
             "gen_throughput": st.gen_throughput,
             "memory": self.memory_report(),
         }
+
+    def avg_spec_accept_length(self) -> float:
+        """Tokens emitted per verify round (accepted drafts + the bonus token), over the server's lifetime."""
+        dbg = getattr(self.worker, "debug", None)
+        return dbg.emitted / dbg.rounds if dbg is not None and dbg.rounds else 0.0
 
     def flush_cache(self) -> bool:
         """No prefix cache is kept yet, so there is nothing to drop; reports whether the engine is idle."""

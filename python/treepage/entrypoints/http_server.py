@@ -148,6 +148,28 @@ async def _collect(subs: list[_Submitted]) -> list[dict]:
     return finals
 
 
+async def _until_disconnect(request: Request) -> None:
+    # Once the body is read, the next ASGI message is the disconnect (sent when the client goes away).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect_unless_gone(subs: list[_Submitted], request: Request) -> list[dict]:
+    """Final snapshots; if the client disconnects first, the requests are aborted instead of run to the end."""
+    work = asyncio.ensure_future(_collect(subs))
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()  # _merged's cleanup aborts the requests
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        raise ApiError(400, "the client disconnected")  # nobody reads this; it ends the handler
+    return work.result()
+
+
 def _abort_error(out: dict) -> ApiError | None:
     """An engine-side abort as an HTTP error: 500 when the scheduler failed, 503 otherwise (e.g. out of KV)."""
     fr = out["meta_info"].get("finish_reason")
@@ -269,7 +291,10 @@ class _EngineCollector:
             "num_queue_reqs": ("Requests waiting to be admitted.", st.num_waiting),
             "gen_throughput": ("Generated tokens per second (recent window).", st.gen_throughput),
             "token_usage": ("Fraction of KV pages in use.", mem["used_pages"] / max(mem["total_pages"], 1)),
-            "avg_spec_accept_length": ("Mean tokens emitted per verify forward.", st.avg_spec_accept_length),
+            "avg_spec_accept_length": (
+                "Mean tokens emitted per verify forward.",
+                self.engine.avg_spec_accept_length(),
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"treepage:{name}", doc, value=float(value))
@@ -341,7 +366,7 @@ def create_app(engine: Engine) -> FastAPI:
         if body.stream:
             events = _openai_events(subs, _stops(body.stop), choice, head, body.include_usage)
             return _sse_response(events, subs)
-        finals = await _collect(subs)
+        finals = await _collect_unless_gone(subs, request)
         _raise_on_abort(finals)
         choices = [choice(i, f["text"], *openai_finish_reason(f["meta_info"])) for i, f in enumerate(finals)]
         return JSONResponse({**head, "choices": choices, "usage": _total_usage(finals)})
@@ -382,7 +407,7 @@ def create_app(engine: Engine) -> FastAPI:
                                          "finish_reason": None}]}  # fmt: skip
             events = _openai_events(subs, _stops(body.stop), chunk, head, body.include_usage, prelude=[role])
             return _sse_response(events, subs)
-        finals = await _collect(subs)
+        finals = await _collect_unless_gone(subs, request)
         _raise_on_abort(finals)
         out = finals[0]
         finish, matched = openai_finish_reason(out["meta_info"])
@@ -438,7 +463,7 @@ def create_app(engine: Engine) -> FastAPI:
                 yield _SSE_DONE
 
             return _sse_response(events(), subs)
-        finals = await _collect(subs)
+        finals = await _collect_unless_gone(subs, request)
         _raise_on_abort(finals)
         outs = [_native(f) for f in finals]
         return JSONResponse(outs[0] if single else outs)

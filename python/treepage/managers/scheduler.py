@@ -29,13 +29,7 @@ class SchedulerStats:
     gen_tokens_total: int = 0
     prompt_tokens_total: int = 0
     gen_throughput: float = 0.0  # tokens/s over the last window
-    spec_verify_ct: int = 0
-    spec_emitted_total: int = 0
     num_retracted: int = 0
-
-    @property
-    def avg_spec_accept_length(self) -> float:
-        return self.spec_emitted_total / self.spec_verify_ct if self.spec_verify_ct else 0.0
 
 
 class Scheduler:
