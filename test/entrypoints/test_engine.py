@@ -67,9 +67,10 @@ def test_eos_stops_generation(engine: Engine, greedy_pool) -> None:
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}
     assert out["text"] == engine.tokenizer.decode(full[:k], skip_special_tokens=True)  # ... not in the text
     # ignore_eos keeps going through it.
-    assert engine.generate(input_ids=prompt, sampling_params=greedy(POOL_TOKENS, ignore_eos=True))[
-        "output_ids"
-    ] == full
+    assert (
+        engine.generate(input_ids=prompt, sampling_params=greedy(POOL_TOKENS, ignore_eos=True))["output_ids"]
+        == full
+    )
 
 
 def _first_new_token(seq: list[int]) -> tuple[int, int]:

@@ -45,7 +45,9 @@ def hf_from_gguf(path: str) -> torch.nn.Module:
     assert not result.unexpected_keys, result
     assert result.missing_keys == (["lm_head.weight"] if config.tie_word_embeddings else []), result
     model.tie_weights()
-    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight) or not config.tie_word_embeddings
+    assert (
+        torch.equal(model.lm_head.weight, model.model.embed_tokens.weight) or not config.tie_word_embeddings
+    )
     return model.eval()
 
 
@@ -139,7 +141,9 @@ def test_tiny_llama_parity(fixture: str, page_size: int, backend: str, request) 
     )
     try:
         ids = engine.tokenizer.encode(TEXT)
-        assert len(ids) > 32  # prefill and decodes span several pages for P <= 16; P = 64 is crossed by decode
+        assert (
+            len(ids) > 32
+        )  # prefill and decodes span several pages for P <= 16; P = 64 is crossed by decode
         check_parity(engine, hf, ids)
     finally:
         engine.shutdown()
