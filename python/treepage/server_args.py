@@ -19,6 +19,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     dtype: str = "auto"
+    load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks of big shapes)
     device: str = "auto"
     context_length: int | None = None
     page_size: int | None = None
@@ -83,6 +84,7 @@ def make_parser() -> argparse.ArgumentParser:
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=30000)
     a("--dtype", choices=DTYPES, default="auto")
+    a("--load-format", choices=("auto", "dummy"), default="auto")
     a("--device", choices=("auto", "cpu", "cuda"), default="auto")
     a("--context-length", type=_positive_int("--context-length"), default=None)
     a("--page-size", type=_positive_int("--page-size"), default=None)

@@ -49,6 +49,16 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
 
 
+@torch.no_grad()
+def _init_dummy_weights(model: torch.nn.Module) -> None:
+    """Random weights of the right shapes: norms at 1, matrices N(0, 0.02). Index buffers (d2t) stay zero."""
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            p.fill_(1.0) if "norm" in name else p.zero_()
+        else:
+            p.normal_(0.0, 0.02)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -69,11 +79,15 @@ class ModelRunner:
         max_position = get_row_width(context_len, args) + 8
         with torch.device(self.device):
             self.model = build_model(self.config, max_position)
-        state = load_state_dict(model_path, dtype=torch.float32, device="cpu", progress=True)
-        if hasattr(self.model, "load_weights"):  # draft heads map their released tensor names themselves
-            self.model.load_weights(state)
+        if args.load_format == "dummy":
+            self.model.to(dtype=dtype)
+            _init_dummy_weights(self.model)
         else:
-            load_weights_into(self.model, state, strict=True)
+            state = load_state_dict(model_path, dtype=torch.float32, device="cpu", progress=True)
+            if hasattr(self.model, "load_weights"):  # draft heads map their released tensor names themselves
+                self.model.load_weights(state)
+            else:
+                load_weights_into(self.model, state, strict=True)
         self.model.to(device=self.device, dtype=dtype)
         # RoPE tables stay fp32.
         for m in self.model.modules():

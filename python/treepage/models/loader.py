@@ -171,7 +171,10 @@ def _gguf_config(path: str) -> ModelConfig:
 
 
 def load_config(path: str) -> ModelConfig:
-    kind, p = resolve_checkpoint(path)
+    if os.path.isfile(os.path.join(path, "config.json")) and not glob.glob(os.path.join(path, "*.gguf")):
+        kind, p = "hf", path  # a config alone is enough to describe the model (--load-format dummy)
+    else:
+        kind, p = resolve_checkpoint(path)
     if kind == "gguf":
         return _gguf_config(p)
     with open(os.path.join(p, "config.json")) as f:

@@ -1,0 +1,170 @@
+"""Shared benchmark helpers: machine description, timing, request submission, JSON results, markdown tables.
+
+The benchmarks run as scripts (`python benchmark/bench_X.py`), so this module is imported as `common`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import queue
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+# Short chat questions: the prompts every benchmark shares, so numbers are comparable across runs.
+QUESTIONS = [
+    "What is the capital of France? Answer in one paragraph.",
+    "Explain photosynthesis in simple terms.",
+    "Write a short poem about the sea.",
+    "How do I sort a list of numbers in Python?",
+    "Give three tips for staying focused while studying.",
+    "Why is the sky blue?",
+    "Describe how a bicycle works.",
+    "What are the main differences between cats and dogs as pets?",
+]
+
+# Filler text for prompts of a chosen token length (plain prose, so the model sees natural input).
+PASSAGE = (
+    "The history of the printing press begins long before Gutenberg. Carved wooden blocks were used to print "
+    "patterns on cloth and, later, whole pages of text. Movable type made of baked clay appeared in China in the "
+    "eleventh century, and metal type followed in Korea. In Europe, the combination of a screw press, oil-based "
+    "ink and an adjustable mould for casting letters made printing fast and cheap. Books that had taken months "
+    "to copy by hand could be produced by the hundred in weeks. Literacy spread, prices fell, and ideas moved "
+    "across borders faster than any ruler could control. Scientists shared measurements, reformers spread "
+    "pamphlets, and merchants printed price lists. The press changed how people learned, argued and worked. "
+)
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on (the docs quote this)."""
+    cpu = "unknown"
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and cpu == "unknown":
+                    cpu = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    import transformers
+
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "nproc": os.cpu_count(),
+        "cpu_model": cpu,
+        "avx512_bf16": "avx512_bf16" in flags,
+        "amx_bf16": "amx_bf16" in flags,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """(result, wall seconds); synchronizes CUDA so GPU work is inside the interval."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def chat_ids(tokenizer, question: str) -> list[int]:
+    from treepage.managers.tokenizer import apply_chat_template
+
+    return apply_chat_template(tokenizer, [{"role": "user", "content": question}])
+
+
+def passage_ids(tokenizer, n_tokens: int, offset: int = 0) -> list[int]:
+    """Exactly n_tokens of prose (repeating PASSAGE), starting `offset` tokens in so prompts differ."""
+    base = tokenizer.encode(PASSAGE, add_special_tokens=False)
+    need = n_tokens + offset
+    ids = base * (need // len(base) + 1)
+    return ids[offset : offset + n_tokens]
+
+
+@dataclass
+class BatchRun:
+    outputs: list[dict]  # the engine's final snapshot per request, in submission order
+    seconds: float  # first submit -> last request finished
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(o["output_ids"]) for o in self.outputs)
+
+
+def run_requests(
+    engine,
+    prompts: Sequence[list[int]],
+    max_new_tokens: Sequence[int] | int,
+    ignore_eos: bool = True,
+) -> BatchRun:
+    """Submit all prompts at once (each with its own max_new_tokens), greedy, and wait for all of them."""
+    from treepage.managers.schedule_batch import SamplingParams
+
+    if isinstance(max_new_tokens, int):
+        max_new_tokens = [max_new_tokens] * len(prompts)
+    sinks: list[queue.Queue] = [queue.Queue() for _ in prompts]
+    t0 = time.perf_counter()
+    for ids, n, q in zip(prompts, max_new_tokens, sinks):
+        sp = engine.make_sampling_params({"max_new_tokens": n, "temperature": 0.0, "ignore_eos": ignore_eos})
+        engine.submit(list(ids), sp, q.put)
+    outs = []
+    for q in sinks:
+        while True:
+            out = q.get()
+            if out["finished"]:
+                break
+        outs.append(out)
+    return BatchRun(outs, time.perf_counter() - t0)
+
+
+def write_results(name: str, data: dict) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    print(f"\n### {title}\n\n{markdown_table(headers, rows)}\n", flush=True)
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    bf16 = "AVX512-BF16" if info.get("avx512_bf16") else "no AVX512-BF16"
+    return (
+        f"{info['date']}; {info['nproc']} CPUs ({info['cpu_model']}, {bf16}), torch {info['torch']} "
+        f"({info['torch_threads']} threads), transformers {info['transformers']}, Python {info['python']}"
+    )
