@@ -120,7 +120,6 @@ def run_requests(
     ignore_eos: bool = True,
 ) -> BatchRun:
     """Submit all prompts at once (each with its own max_new_tokens), greedy, and wait for all of them."""
-    from treepage.managers.schedule_batch import SamplingParams
 
     if isinstance(max_new_tokens, int):
         max_new_tokens = [max_new_tokens] * len(prompts)

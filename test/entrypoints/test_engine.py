@@ -62,6 +62,7 @@ def test_eos_stops_generation(engine: Engine, greedy_pool) -> None:
     hits = [(p, o, o.index(EOS)) for p, o in greedy_pool if EOS in o[1:]]
     assert hits, "no greedy continuation in the pool reaches EOS"
     prompt, full, k = max(hits, key=lambda h: h[2])  # the latest EOS: most tokens before it
+    assert k >= 1
     out = engine.generate(input_ids=prompt, sampling_params=greedy(POOL_TOKENS))
     assert out["output_ids"] == full[: k + 1]  # the EOS token is reported ...
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}

@@ -209,9 +209,8 @@ def test_strict_mem_check_runs_clean(tiny_llama_dir: str, ref_engine: Engine, mo
         outs = submit_all(engine, prompts, params)
         assert not _scheduler_failures(caplog)
         assert engine.scheduler.stats.num_retracted > 0
-        assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length"] * 2 + ["stop"] + [
-            "length"
-        ] * 5
+        kinds = [o["meta_info"]["finish_reason"]["type"] for o in outs]
+        assert kinds == ["length", "length", "stop", "length", "length", "length", "length", "length"]
         assert ids_of(outs) == expected
         assert_idle_and_empty(engine)
     finally:
@@ -233,5 +232,28 @@ def test_strict_mem_check_catches_a_leak(tiny_llama_dir: str, monkeypatch, caplo
         out = engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": NEW}
         assert_idle_and_empty(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_a_failing_sink_harms_no_other_request(tiny_llama_dir: str, ref_engine: Engine, reference) -> None:
+    """A consumer that went away (its sink raises, like a closed event loop) loses only its own request."""
+    engine = make_engine(tiny_llama_dir, page_size=4)
+    try:
+
+        def broken_sink(out: dict) -> None:
+            raise RuntimeError("Event loop is closed")
+
+        good: queue.Queue = queue.Queue()
+        engine.submit(PROMPTS[0], engine.make_sampling_params(GREEDY), broken_sink)
+        engine.submit(PROMPTS[1], engine.make_sampling_params(GREEDY), good.put)
+        while not (out := good.get(timeout=10))["finished"]:
+            pass
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": NEW}
+        assert out["output_ids"] == reference["greedy"][1]
+        assert_idle_and_empty(engine)
+        assert engine._thread.is_alive()  # the scheduler still serves
+        again = engine.generate(input_ids=PROMPTS[2], sampling_params=GREEDY)
+        assert again["output_ids"] == reference["greedy"][2]
     finally:
         engine.shutdown()

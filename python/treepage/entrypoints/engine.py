@@ -121,7 +121,14 @@ class Engine:
         sp = self.make_sampling_params(sampling_params)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        req = self.submit(input_ids, sp, lambda out: loop.call_soon_threadsafe(q.put_nowait, out), rid)
+
+        def sink(out: dict) -> None:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, out)
+            except RuntimeError:  # the consumer's event loop is gone; its request is being aborted
+                pass
+
+        req = self.submit(input_ids, sp, sink, rid)
         try:
             while True:
                 out = await q.get()
@@ -142,7 +149,7 @@ class Engine:
     ) -> dict | list[dict]:
         """Blocking generation, single or batched (a batch is submitted at once and decoded together)."""
         single = isinstance(prompt, str) or (
-            input_ids is not None and input_ids and isinstance(input_ids[0], int)
+            input_ids is not None and (len(input_ids) == 0 or isinstance(input_ids[0], int))
         )
         if prompt is not None:
             prompts = [prompt] if isinstance(prompt, str) else list(prompt)

@@ -300,7 +300,16 @@ class Scheduler:
             return  # hold back a trailing partial UTF-8 character while streaming
         r.text = text
         if r.finished is None:
+            self._deliver(r)
+
+    def _deliver(self, r: Req) -> None:
+        """Hand a snapshot to the request's consumer; a broken consumer must not take the batch down."""
+        try:
             r.sink(self._snapshot(r))
+        except Exception:
+            logger.exception("output consumer of %s failed; aborting that request", r.rid)
+            if r.finished is None:
+                self.abort(r.rid)
 
     def _snapshot(self, r: Req) -> dict:
         return {
@@ -327,7 +336,7 @@ class Scheduler:
         self.worker.forget([r.rid for r in done])
         for r in done:
             self._release(r)
-            r.sink(self._snapshot(r))
+            self._deliver(r)
 
     def _release(self, r: Req) -> None:
         if r.row >= 0:
@@ -338,7 +347,7 @@ class Scheduler:
     def _finish(self, r: Req, reason: FinishReason) -> None:
         r.finished = reason
         self._release(r)
-        r.sink(self._snapshot(r))
+        self._deliver(r)
 
     # ---- accounting ---------------------------------------------------------------------------------------------
     def check_memory(self, idle: bool = False) -> None:

@@ -12,7 +12,12 @@ def load_tokenizer(path: str, tokenizer_path: str | None = None):
     """A transformers fast tokenizer carrying the checkpoint's chat template; never touches the network."""
     from transformers import AutoTokenizer
 
-    kind, p = resolve_checkpoint(tokenizer_path or path)
+    where = tokenizer_path or path
+    if os.path.isdir(where) and any(
+        os.path.isfile(os.path.join(where, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        return AutoTokenizer.from_pretrained(where, local_files_only=True)  # tokenizer files need no weights
+    kind, p = resolve_checkpoint(where)
     if kind == "gguf":
         # transformers rebuilds the BPE vocab, merges, special tokens and chat template from tokenizer.ggml.*
         return AutoTokenizer.from_pretrained(

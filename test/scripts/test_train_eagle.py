@@ -1,0 +1,161 @@
+"""scripts/train_eagle.py: the training forward equals the inference heads, features equal the engine's capture,
+and a run resumes bit-exactly into a head the engine's loader accepts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from treepage.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from treepage.mem_cache.memory_pool import KVPool
+from treepage.model_executor.forward_batch import CaptureHidden, ForwardBatch, ForwardMode
+from treepage.models.config import ModelConfig
+from treepage.models.eagle_checkpoint import random_eagle_head
+from treepage.models.llama import LlamaForCausalLM
+from treepage.models.llama_eagle import LlamaForCausalLMEagle
+from treepage.models.llama_eagle3 import LlamaForCausalLMEagle3
+from treepage.models.loader import load_config, load_state_dict, load_weights_into
+
+_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "train_eagle.py"
+_spec = importlib.util.spec_from_file_location("train_eagle", _SCRIPT)
+te = importlib.util.module_from_spec(_spec)
+sys.modules["train_eagle"] = te  # dataclasses look their module up
+_spec.loader.exec_module(te)
+
+MAX_POS = 64
+
+
+def run_extend(model, pool: KVPool, ids: torch.Tensor, hidden, start: int, capture=CaptureHidden.NONE):
+    """One request at page size 1 (position i in slot i + 1): an EXTEND forward through the engine's path."""
+    T = ids.shape[0]
+    backend = TorchNativeAttnBackend()
+    fb = ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=ids,
+        positions=torch.arange(start, start + T),
+        out_cache_loc=torch.arange(start + 1, start + T + 1),
+        req_rows=torch.tensor([0]),
+        req_to_token=torch.arange(1, MAX_POS + 1, dtype=torch.int64)[None],
+        kv_pool=pool,
+        attn_backend=backend,
+        page_size=1,
+        prefix_lens=torch.tensor([start]),
+        extend_lens=torch.tensor([T]),
+        prefix_lens_cpu=[start],
+        extend_lens_cpu=[T],
+        input_hidden=hidden,
+        capture_hidden=capture,
+    )
+    backend.init_forward_metadata(fb)
+    with torch.no_grad():
+        return model(fb)
+
+
+def load_target(path: str) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(load_config(path), MAX_POS)
+    load_weights_into(model, load_state_dict(path, progress=False))
+    return model.eval()
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "EAGLE"])
+def test_unroll_equals_inference_head_through_engine_path(tiny_llama3_dir, algorithm):
+    target = load_target(tiny_llama3_dir)
+    cfg_d, S = random_eagle_head(
+        target.config, algorithm, draft_vocab_size=48 if algorithm == "EAGLE3" else None
+    )
+    cfg = ModelConfig.from_hf_dict(cfg_d)  # the target's llama3 rope scaling travels into the head config
+    infer = (LlamaForCausalLMEagle3 if algorithm == "EAGLE3" else LlamaForCausalLMEagle)(cfg, MAX_POS)
+    infer.load_weights(S)
+    infer.bind_target(target)
+    train = te.TrainHead(cfg, algorithm, target.model.embed_tokens, MAX_POS)
+    train.load_state_dict({n: t for n, t in S.items() if n not in ("d2t", "t2d")})
+
+    T, steps, width = 12, 3, (192 if algorithm == "EAGLE3" else 64)
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(1, T, width, generator=g)
+    tokens = torch.randint(0, 128, (1, T), generator=g)
+    with torch.no_grad():
+        outs = train.unroll(feats, tokens, steps)
+
+    def pool() -> KVPool:
+        return KVPool(MAX_POS + 1, 1, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+
+    def close(a, b):
+        torch.testing.assert_close(a, b, atol=3e-5, rtol=1e-4)
+
+    close(outs[0][0], run_extend(infer, pool(), tokens[0], feats[0], 0))  # step 0 = draft extend
+    for t in (0, 4, T - steps):
+        kv = pool()
+        h = run_extend(infer, kv, tokens[0, : t + 1], feats[0, : t + 1], 0)[-1:]
+        for k in range(1, steps):  # a draft chain from row t: own state, token t+1+k, position t+k
+            h = run_extend(infer, kv, tokens[0, t + k : t + k + 1], h, t + k)
+            close(outs[k][0, t], h[0])
+    if algorithm == "EAGLE3":
+        h = outs[2][0, :4]
+        close(train.lm_head(train.norm(h)), infer.compute_logits(h))
+
+
+def test_features_equal_engine_capture(tiny_llama3_dir):
+    target = load_target(tiny_llama3_dir)
+    hf, cfg, _ = te.build_hf_target(tiny_llama3_dir, torch.float32)
+    ids = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 5)]
+    split = te.Split(ids, [3, 2], [0, 9])
+    te.extract_features(hf, cfg, split, batch_tokens=64, device="cpu", desc="test")  # one padded batch
+    for seq, off in zip(ids, split.offsets):
+        for kind, capture in (("aux", CaptureHidden.AUX), ("last", CaptureHidden.LAST)):
+            kv = KVPool(
+                MAX_POS + 1, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32
+            )
+            run_extend(target, kv, seq, None, 0, capture)
+            got = getattr(split, kind)[off : off + len(seq)]
+            torch.testing.assert_close(got, target.captured, atol=1e-4, rtol=1e-4)
+
+
+def write_data(d: pathlib.Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    for split, n in (("train", 6), ("heldout", 2)):
+        with open(d / f"{split}.jsonl", "w") as f:
+            for i in range(n):
+                p = 3 + i % 3
+                ids = torch.randint(3, 128, (p + 8 + i,), generator=g).tolist()
+                rec = {"id": f"{split}-{i}", "input_ids": ids[:p], "output_ids": ids[p:]}
+                f.write(json.dumps(rec) + "\n")
+
+
+def test_training_resumes_exactly_and_writes_a_loadable_head(tiny_llama3_dir, tmp_path):
+    write_data(tmp_path)
+    common = ["--algorithm", "EAGLE3", "--data", str(tmp_path), "--model-path", tiny_llama3_dir,
+              "--steps", "4", "--batch-size", "2", "--draft-vocab-size", "32", "--ttt-steps", "2",
+              "--warmup", "1", "--eval-every", "2", "--ckpt-every", "2", "--no-autocast", "--threads", "1"]  # fmt: skip
+
+    def run(name: str, *extra: str) -> dict:
+        return te.main(common + ["--out", str(tmp_path / name), "--loss-png", str(tmp_path / f"{name}.png"),
+                                 "--work", str(tmp_path / f"work-{name}"), *extra])  # fmt: skip
+
+    straight = run("a")
+    run("b", "--steps", "2")
+    run("b", "--resume")
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert (tmp_path / "a.png").stat().st_size > 0 and straight["final_eval"]["step"] == 4
+
+    # Trained, not initial: the head moved away from the warm start, and the engine's loader takes it.
+    cfg = load_config(str(tmp_path / "a"))
+    assert cfg.architecture == "LlamaForCausalLMEagle3" and cfg.hf_config["torch_dtype"] == "bfloat16"
+    head = LlamaForCausalLMEagle3(cfg, MAX_POS)
+    head.load_weights(load_state_dict(str(tmp_path / "a"), progress=False))
+    hot = head.map_to_target_ids(torch.arange(32))
+    assert torch.all(hot[1:] > hot[:-1]) and torch.equal(torch.nonzero(head.t2d).flatten(), hot)
+    resp = torch.cat([torch.tensor(json.loads(r)["output_ids"]) for r in open(tmp_path / "train.jsonl")])
+    counts = torch.bincount(resp, minlength=128)
+    assert counts[hot].min() >= counts[~head.t2d].max()  # the draft vocabulary is the most frequent ids
+    init = te.eagle_head_from_target(
+        load_state_dict(tiny_llama3_dir, progress=False), load_config(tiny_llama3_dir), "EAGLE3", 32, hot
+    )[1]
+    assert not torch.allclose(a["fc.weight"].float(), init["fc.weight"].bfloat16().float())
