@@ -28,6 +28,7 @@ import torch
 from common import (
     QUESTIONS,
     chat_ids,
+    ensure_passive_omp,
     machine_info,
     machine_line,
     median,
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-tokens", type=int, default=64)
     ap.add_argument("--out", default=None, help="results name (default serving_<device>)")
     args = ap.parse_args(argv)
+    ensure_passive_omp()
     dtype = getattr(torch, args.dtype)
     path = args.model_path or default_model_path()
     info = machine_info()
@@ -337,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch1_greedy_common_prefix": agree,
         "memory_after": mem,
         "leak": leak,
+        "loadavg_at_end": os.getloadavg(),
     }
     if args.profile:
         prof = profile_decode(engine, one, args.profile_tokens, top=20)

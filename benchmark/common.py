@@ -11,6 +11,7 @@ import os
 import platform
 import queue
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,19 @@ PASSAGE = (
 )
 
 
+def ensure_passive_omp() -> None:
+    """Re-exec once with OMP_WAIT_POLICY=PASSIVE unless the caller chose a policy.
+
+    With the default (spinning) policy, an OpenMP barrier whose sibling thread was preempted costs a whole
+    scheduler slice; on a shared 2-core machine that made a decode step 10-20x slower, and two threads that both
+    run torch ops (a scheduler and a forward thread, or HF on the main thread next to the engine's scheduler)
+    make each other's teams spin. The policy is applied to both sides of every comparison.
+    """
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on (the docs quote this)."""
     cpu = "unknown"
@@ -70,6 +84,8 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "transformers": transformers.__version__,
         "python": platform.python_version(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "loadavg_at_start": os.getloadavg(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 
@@ -165,5 +181,7 @@ def machine_line(info: dict[str, Any]) -> str:
     bf16 = "AVX512-BF16" if info.get("avx512_bf16") else "no AVX512-BF16"
     return (
         f"{info['date']}; {info['nproc']} CPUs ({info['cpu_model']}, {bf16}), torch {info['torch']} "
-        f"({info['torch_threads']} threads), transformers {info['transformers']}, Python {info['python']}"
+        f"({info['torch_threads']} threads, OMP_WAIT_POLICY={info.get('omp_wait_policy')}), transformers "
+        f"{info['transformers']}, Python {info['python']}; load average at start "
+        f"{' / '.join(f'{x:.1f}' for x in info['loadavg_at_start'])} (1/5/15 min, other users share the CPU)"
     )

@@ -146,7 +146,7 @@ class TrainHead(nn.Module):
         outs: list[torch.Tensor] = []
         g = feats
         for k in range(steps):
-            tok = tokens
+            tok = F.pad(tokens[:, k:], (0, k)) if k else tokens
             with torch.no_grad():
                 e = self._embed[0](tok)
             if self.algorithm == "EAGLE3":
@@ -343,7 +343,7 @@ def batch_loss(head: TrainHead, batch, hot: torch.Tensor, w_hot: torch.Tensor, a
             reg = F.smooth_l1_loss(hm, target_f)
             step_loss = reg + args.token_weight * cls
         total = total + args.step_decay**k * step_loss
-        losses.append(float(step_loss))
+        losses.append(float(step_loss.detach()))
         accs.append(float((logp.argmax(-1) == t_logp.argmax(-1)).float().mean()))
     return total, losses, accs
 
@@ -516,7 +516,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     t_train = time.time()
     head.train()
-    bar = tqdm(total=args.steps, initial=step, desc=f"train {args.algorithm}", unit="step")
+    if step == 0:
+        history["eval"].append({"step": 0, **evaluate(head, held, hot, w_hot, args, device)})
+        print(f"step 0 (warm start): held-out {history['eval'][-1]}", flush=True)
+    bar = tqdm(total=args.steps, initial=step, desc=f"train {args.algorithm}", unit="step", mininterval=5)
     while step < args.steps:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
@@ -527,7 +530,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         opt.step()
         step += 1
-        history["train"].append((step, float(loss), accs))
+        history["train"].append((step, float(loss.detach()), accs))
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss):.3f}", acc0=f"{accs[0]:.2f}", accL=f"{accs[-1]:.2f}")
         if step % args.eval_every == 0 or step == args.steps:

@@ -23,6 +23,18 @@ from treepage.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 
+def asyncio_sink(loop: asyncio.AbstractEventLoop, q: asyncio.Queue):
+    """A sink that hands snapshots from the scheduler thread to a consumer on an event loop."""
+
+    def sink(out: dict) -> None:
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, out)
+        except RuntimeError:  # the consumer's event loop is gone; its request is being aborted
+            pass
+
+    return sink
+
+
 class Engine:
     def __init__(self, server_args: ServerArgs | None = None, **kwargs: Any) -> None:
         args = server_args or ServerArgs(**kwargs)
@@ -122,13 +134,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
 
-        def sink(out: dict) -> None:
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, out)
-            except RuntimeError:  # the consumer's event loop is gone; its request is being aborted
-                pass
-
-        req = self.submit(input_ids, sp, sink, rid)
+        req = self.submit(input_ids, sp, asyncio_sink(loop, q), rid)
         try:
             while True:
                 out = await q.get()
@@ -163,7 +169,14 @@ class Engine:
         outs = []
         for q in results:
             while True:
-                out = q.get()
+                try:
+                    out = q.get(timeout=1.0)
+                except queue.Empty:
+                    if not self._thread.is_alive():
+                        raise RuntimeError(
+                            "the scheduler thread has stopped; the engine cannot serve"
+                        ) from None
+                    continue
                 if out["finished"]:
                     break
             outs.append(out)
@@ -230,6 +243,9 @@ class Engine:
         """No prefix cache is kept yet, so there is nothing to drop; reports whether the engine is idle."""
         s = self.scheduler
         return not s.running and not s.waiting
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
 
     def shutdown(self) -> None:
         self.scheduler.stop()

@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
+from treepage.entrypoints.engine import asyncio_sink
 from treepage.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -82,8 +83,7 @@ class _Submitted:
         self.engine = engine
         self.queue: asyncio.Queue[dict] = asyncio.Queue()
         self.finished = False
-        sink = lambda out: loop.call_soon_threadsafe(self.queue.put_nowait, out)  # noqa: E731
-        self.req = engine.submit(input_ids, sampling_params, sink, rid)
+        self.req = engine.submit(input_ids, sampling_params, asyncio_sink(loop, self.queue), rid)
 
     async def next(self) -> dict:
         out = await self.queue.get()
@@ -478,8 +478,7 @@ def create_app(engine: Engine) -> FastAPI:
         return Response(status_code=200)
 
     def scheduler_alive() -> bool:
-        thread = getattr(engine, "_thread", None)
-        return thread is not None and thread.is_alive()
+        return engine.is_alive()
 
     @app.get("/health")
     async def health() -> Response:

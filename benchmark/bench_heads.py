@@ -1,0 +1,137 @@
+"""Shipped draft heads on held-out prompts: average accept length, tokens/s against speculation off, and greedy
+equality of every speculative output with the plain one (same batch size, same page size).
+
+    python benchmark/bench_heads.py                      # all configurations, batch 1 and 4
+    python benchmark/bench_heads.py --configs EAGLE3:5,8,32 --num-prompts 2 --batch-sizes 1
+
+Held-out prompts are rebuilt by scripts/make_eagle_data.py's generator (topics never seen in training), so the
+benchmark needs no data directory. Results: benchmark/results/<--name>.json plus a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "scripts"))
+
+from common import chat_ids, machine_info, machine_line, print_table, run_requests, write_results  # noqa: E402
+from make_eagle_data import build_prompts  # noqa: E402
+
+from treepage.entrypoints.engine import Engine  # noqa: E402
+from treepage.managers.tokenizer import load_tokenizer  # noqa: E402
+from treepage.models.loader import default_model_path  # noqa: E402
+from treepage.models.shipped_heads import shipped_head_path  # noqa: E402
+from treepage.server_args import ServerArgs  # noqa: E402
+
+DEFAULT_CONFIGS = ["EAGLE3:5,8,32", "EAGLE3:5,4,16", "EAGLE3:4,4,16", "EAGLE3:3,1,4", "EAGLE:5,8,64"]
+
+
+def parse_config(text: str) -> tuple[str, int, int, int]:
+    algo, _, tree = text.partition(":")
+    S, K, N = (int(x) for x in tree.split(","))
+    return algo.upper(), S, K, N
+
+
+def heldout_questions(n: int) -> list[str]:
+    return [p.prompt for p in build_prompts(0, n, heldout_frac=0.1, seed=0)]
+
+
+def measure(engine: Engine, prompts: list[list[int]], batch_size: int, max_new: int) -> dict:
+    """Decode all prompts in groups of batch_size (each group submitted together)."""
+    dbg = getattr(engine.worker, "debug", None)
+    r0, e0 = (dbg.rounds, dbg.emitted) if dbg else (0, 0)
+    outputs, seconds = [], 0.0
+    for i in range(0, len(prompts), batch_size):
+        run = run_requests(engine, prompts[i : i + batch_size], max_new, ignore_eos=False)
+        outputs += [o["output_ids"] for o in run.outputs]
+        seconds += run.seconds
+    tokens = sum(len(o) for o in outputs)
+    rounds = dbg.rounds - r0 if dbg else 0
+    return {
+        "batch_size": batch_size,
+        "tokens": tokens,
+        "seconds": round(seconds, 2),
+        "tok_per_s": round(tokens / seconds, 2),
+        "accept_len": round((dbg.emitted - e0) / rounds, 3) if rounds else None,
+        "outputs": outputs,
+    }
+
+
+def run_config(args, spec: tuple[str, int, int, int] | None, prompts: list[list[int]]) -> dict:
+    kw: dict = {"dtype": args.dtype, "page_size": args.page_size, "log_level": "warning"}
+    if spec is not None:
+        algo, S, K, N = spec
+        kw.update(
+            speculative_algorithm=algo,
+            speculative_draft_model_path=args.head_dirs.get(algo) or shipped_head_path(algo),
+            speculative_num_steps=S,
+            speculative_eagle_topk=K,
+            speculative_num_draft_tokens=N,
+        )
+    engine = Engine(ServerArgs(**kw))
+    try:
+        run_requests(engine, prompts[:1], 8, ignore_eos=False)  # warm-up, not timed
+        return {str(bs): measure(engine, prompts, bs, args.max_new_tokens) for bs in args.batch_sizes}
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="ALGO:S,K,N")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--head", action="append", default=[], help="ALGO=DIR: a head other than the shipped one")
+    ap.add_argument("--name", default="heads_cpu", help="results file name (benchmark/results/NAME.json)")
+    args = ap.parse_args(argv)
+    args.head_dirs = dict(h.split("=", 1) for h in args.head)
+    torch.set_num_threads(args.threads)
+
+    questions = heldout_questions(args.num_prompts)
+    prompts = [chat_ids(load_tokenizer(default_model_path()), q) for q in questions]
+    results: dict = {"machine": machine_info(), "args": vars(args), "questions": questions, "runs": {}}
+    plain: dict | None = None
+    for label, spec in [("plain", None)] + [(c, parse_config(c)) for c in args.configs]:
+        print(f"running {label} ...", flush=True)
+        res = run_config(args, spec, prompts)
+        if plain is None:
+            plain = res
+        for bs, r in res.items():
+            r["equal_to_plain"] = r["outputs"] == plain[bs]["outputs"]
+            r["speedup"] = round(r["tok_per_s"] / plain[bs]["tok_per_s"], 3)
+        results["runs"][label] = res
+
+    rows = []
+    for label, res in results["runs"].items():
+        for bs, r in res.items():
+            rows.append(
+                [label, bs, r["accept_len"] or "-", r["tok_per_s"], r["speedup"], r["equal_to_plain"]]
+            )
+    print(machine_line(results["machine"]))
+    print_table(
+        f"Shipped heads, {args.num_prompts} held-out prompts, greedy, {args.max_new_tokens} new tokens, "
+        f"page {args.page_size}, {args.dtype}",
+        ["config (S,K,N)", "batch", "accept len", "tok/s", "vs plain", "greedy equal"],
+        rows,
+    )
+    for res in results["runs"].values():
+        for r in res.values():
+            r.pop("outputs")
+    path = write_results(args.name, results)
+    print(f"results: {os.path.relpath(path)}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

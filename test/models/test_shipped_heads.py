@@ -1,0 +1,76 @@
+"""The draft heads shipped for the embedded SmolLM2: released layouts, and real acceptance through the Engine."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import sys
+
+import pytest
+import torch
+
+from treepage.entrypoints.engine import Engine
+from treepage.managers.tokenizer import apply_chat_template
+from treepage.models.loader import default_model_path, load_config, load_state_dict
+from treepage.models.shipped_heads import SHIPPED_HEADS, shipped_head_path
+from treepage.server_args import ServerArgs
+
+_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "make_eagle_data.py"
+
+
+def heldout_question() -> str:
+    """The first held-out prompt of the training-data generator: its topic never appears in training."""
+    spec = importlib.util.spec_from_file_location("make_eagle_data", _SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["make_eagle_data"] = mod
+    spec.loader.exec_module(mod)
+    return mod.build_prompts(0, 1, heldout_frac=0.1, seed=0)[0].prompt
+
+
+@pytest.mark.parametrize("algorithm", sorted(SHIPPED_HEADS))
+def test_shipped_heads_are_small_released_layouts(algorithm):
+    path = shipped_head_path(algorithm.lower())
+    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors"]  # no tokenizer: the target's is used
+    assert os.path.getsize(os.path.join(path, "model.safetensors")) < 32 * 2**20
+    cfg, target = load_config(path), load_config(default_model_path())
+    want = {"EAGLE3": "LlamaForCausalLMEagle3", "EAGLE": "LlamaForCausalLMEagle"}[algorithm]
+    assert cfg.architecture == want and cfg.num_hidden_layers == 1 and cfg.hidden_size == target.hidden_size
+    state = load_state_dict(path, progress=False)
+    assert all(t.dtype == torch.bfloat16 for t in state.values() if t.is_floating_point())
+    if algorithm == "EAGLE3":
+        Vd = cfg.hf_config["draft_vocab_size"]
+        hot = state["d2t"] + torch.arange(Vd)
+        assert state["lm_head.weight"].shape == (Vd, cfg.hidden_size) and Vd < target.vocab_size
+        assert torch.equal(torch.nonzero(state["t2d"]).flatten(), hot)
+    else:
+        assert "lm_head.weight" not in state and state["fc.weight"].shape == (cfg.hidden_size, 2 * cfg.hidden_size)
+
+
+def test_shipped_head_path_rejects_unknown_algorithms():
+    with pytest.raises(ValueError, match="EAGLE3"):
+        shipped_head_path("MEDUSA")
+
+
+@pytest.mark.slow
+def test_shipped_eagle3_head_decodes_exactly_with_real_acceptance():
+    """(S, K, N) = (5, 8, 32) at page size 64, float32 so that greedy equality is exact arithmetic."""
+    sp = {"temperature": 0, "max_new_tokens": 128}
+    with Engine(ServerArgs(dtype="float32", page_size=64, log_level="warning")) as plain:
+        ids = apply_chat_template(plain.tokenizer, [{"role": "user", "content": heldout_question()}])
+        want = plain.generate(input_ids=ids, sampling_params=sp)["output_ids"]
+    spec_args = ServerArgs(
+        dtype="float32",
+        page_size=64,
+        log_level="warning",
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=shipped_head_path("EAGLE3"),
+        speculative_num_steps=5,
+        speculative_eagle_topk=8,
+        speculative_num_draft_tokens=32,
+    )
+    with Engine(spec_args) as spec:
+        got = spec.generate(input_ids=ids, sampling_params=sp)["output_ids"]
+        accept = spec.avg_spec_accept_length()
+    assert len(want) > 32 and got == want
+    assert accept > 1.5, f"average accept length {accept:.2f}"
