@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from treepage.layers.sampler import target_probs_from_logits
 from treepage.speculative.eagle_tree import (
     EagleTree,
     build_tree,
@@ -17,7 +18,6 @@ from treepage.speculative.eagle_tree import (
 from treepage.speculative.eagle_verify import (
     VerifyResult,
     first_branch_of,
-    target_probs_from_logits,
     verify_tree_greedy,
     verify_tree_sampling,
 )
@@ -322,10 +322,3 @@ def test_first_branch_of():
     assert res.accepted_nodes[:, :3].tolist() == [[0, 2, 4], [0, 1, -1], [0, -1, -1]]
     assert res.predict.tolist() == [[11, 22, 99, -1], [10, 99, -1, -1], [99, -1, -1, -1]]
     assert first_branch_of(tree, res.accepted_nodes).tolist() == [1, 0, -1]
-
-
-def test_draft_probs_are_refused():
-    tree = _fixed_k4_tree(1)
-    with pytest.raises(NotImplementedError):
-        one = torch.ones(1)
-        verify_tree_sampling(tree, torch.zeros(7, 8), one, one, one, 2, draft_probs=torch.zeros(7, 8))

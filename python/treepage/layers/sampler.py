@@ -4,27 +4,43 @@ from __future__ import annotations
 
 import torch
 
+GREEDY_TEMPERATURE_EPS = 1e-6  # temperatures at or below this are greedy requests
 
-def filtered_probs(
+
+def target_probs_from_logits(
     logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor
-):
-    """Softmax of logits/T restricted to top-k and top-p, renormalised. Rows with T == 0 are one-hot argmax."""
-    logits = logits.float()
-    greedy = temperatures <= 0
-    t = torch.where(greedy, torch.ones_like(temperatures), temperatures)
-    probs = torch.softmax(logits / t[:, None], dim=-1)
-    sorted_p, idx = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    k = torch.where(top_ks > 0, top_ks, torch.full_like(top_ks, probs.shape[-1]))
-    keep = ranks < k[:, None]
-    cum = sorted_p.cumsum(-1)
-    keep &= (cum - sorted_p) < top_ps[:, None]  # keep the smallest prefix whose mass reaches top_p
-    keep[:, 0] = True
-    sorted_p = sorted_p * keep
-    probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-    probs = probs / probs.sum(-1, keepdim=True)
-    onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.where(greedy[:, None], onehot, probs)
+) -> torch.Tensor:
+    """[R, V] logits -> fp32 probabilities: softmax(logits / T), then top-k, then top-p, each renormalised.
+
+    Greedy rows (T <= eps) become one-hot at torch.argmax(logits), the same argmax greedy verification uses,
+    so tree sampling on them reduces exactly to greedy verification. top_k <= 0 or >= V disables top-k; top-k
+    keeps every token whose probability is >= the k-th largest (ties kept, so the result never depends on sort
+    order). top_p >= 1 disables top-p, which keeps the smallest sorted prefix whose mass reaches top_p.
+    """
+    rows, vocab = logits.shape
+    dev = logits.device
+    temperatures = temperatures.to(dev, torch.float32)
+    greedy = temperatures <= GREEDY_TEMPERATURE_EPS
+    temp = torch.where(greedy, 1.0, temperatures)
+    probs = torch.softmax(logits.float() / temp.unsqueeze(1), dim=-1)
+    top_ks = top_ks.to(dev, torch.int64)
+    top_ps = top_ps.to(dev, torch.float32)
+    k = torch.where((top_ks <= 0) | (top_ks > vocab), vocab, top_ks)
+    need_filter = ((k < vocab) | (top_ps < 1.0)) & ~greedy
+    if bool(need_filter.any()):  # one host sync per call; skips a full-vocabulary sort in the common case
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        kth = sorted_p.gather(1, (k - 1).unsqueeze(1))
+        sorted_p = sorted_p.masked_fill(sorted_p < kth, 0.0)  # ties with the k-th value stay: order-free
+        sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
+        before = sorted_p.cumsum(-1) - sorted_p
+        cut = (before >= top_ps.unsqueeze(1)) & (top_ps < 1.0).unsqueeze(1)
+        sorted_p = sorted_p.masked_fill(cut, 0.0)
+        sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
+        probs = torch.where(
+            need_filter.unsqueeze(1), torch.zeros_like(probs).scatter(1, order, sorted_p), probs
+        )
+    one_hot = torch.zeros_like(probs).scatter(1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy.unsqueeze(1), one_hot, probs)
 
 
 def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -36,7 +52,7 @@ def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator 
     temps = torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=dev)
     top_ps = torch.tensor([p.top_p for p in params], device=dev)
     top_ks = torch.tensor([p.top_k for p in params], device=dev)
-    probs = filtered_probs(logits, temps, top_ps, top_ks)
+    probs = target_probs_from_logits(logits, temps, top_ps, top_ks)
     for i, p in enumerate(params):
         if not p.greedy:
             out[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]

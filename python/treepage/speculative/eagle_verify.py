@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from treepage.layers.sampler import target_probs_from_logits
 from treepage.speculative.eagle_tree import EagleTree
-
-GREEDY_TEMPERATURE_EPS = 1e-6  # temperatures at or below this are greedy requests
 
 
 @dataclass
@@ -26,40 +25,6 @@ class VerifyResult:
     accept_len: Tensor  # [B] root + accepted drafts; equals the number of tokens emitted
     predict: Tensor  # [B, S+1] accepted drafts then the bonus token, -1 padded
     accepted_nodes: Tensor  # [B, S+1] local node ids, -1 padded
-
-
-def target_probs_from_logits(logits: Tensor, temperatures: Tensor, top_ps: Tensor, top_ks: Tensor) -> Tensor:
-    """[R, V] logits -> fp32 probabilities: softmax(logits / T), then top-k, then top-p, each renormalised.
-
-    Greedy rows (T <= eps) become one-hot at torch.argmax(logits), the same argmax greedy verification uses,
-    so tree sampling on them reduces exactly to greedy verification. top_k <= 0 or >= V disables top-k; top-k
-    keeps every token whose probability is >= the k-th largest (ties kept, so the result never depends on sort
-    order). top_p >= 1 disables top-p, which keeps the smallest sorted prefix whose mass reaches top_p.
-    """
-    rows, vocab = logits.shape
-    dev = logits.device
-    temperatures = temperatures.to(dev, torch.float32)
-    greedy = temperatures <= GREEDY_TEMPERATURE_EPS
-    temp = torch.where(greedy, 1.0, temperatures)
-    probs = torch.softmax(logits.float() / temp.unsqueeze(1), dim=-1)
-    top_ks = top_ks.to(dev, torch.int64)
-    top_ps = top_ps.to(dev, torch.float32)
-    k = torch.where((top_ks <= 0) | (top_ks > vocab), vocab, top_ks)
-    need_filter = ((k < vocab) | (top_ps < 1.0)) & ~greedy
-    if bool(need_filter.any()):  # one host sync per call; skips a full-vocabulary sort in the common case
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        kth = sorted_p.gather(1, (k - 1).unsqueeze(1))
-        sorted_p = sorted_p.masked_fill(sorted_p < kth, 0.0)  # ties with the k-th value stay: order-free
-        sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
-        before = sorted_p.cumsum(-1) - sorted_p
-        cut = (before >= top_ps.unsqueeze(1)) & (top_ps < 1.0).unsqueeze(1)
-        sorted_p = sorted_p.masked_fill(cut, 0.0)
-        sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
-        probs = torch.where(
-            need_filter.unsqueeze(1), torch.zeros_like(probs).scatter(1, order, sorted_p), probs
-        )
-    one_hot = torch.zeros_like(probs).scatter(1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.where(greedy.unsqueeze(1), one_hot, probs)
 
 
 def _first_passing_child(parent: Tensor, passes: Tensor) -> Tensor:
@@ -134,7 +99,6 @@ def verify_tree_sampling(
     top_ks: Tensor,
     num_steps: int,
     generator: torch.Generator | None = None,
-    draft_probs: Tensor | None = None,
 ) -> VerifyResult:
     """Target-only tree speculative sampling: every emitted token is an exact draw from the target.
 
@@ -144,11 +108,6 @@ def verify_tree_sampling(
     children, renormalised: total probability p_c(t) for every other t. Siblings must be distinct tokens,
     which holds for drafts taken from one top-K. Greedy rows (T = 0) are one-hot, hence exactly greedy.
     """
-    if draft_probs is not None:
-        raise NotImplementedError(
-            "draft_probs: only the target-only scheme (deterministic top-K drafts) is implemented; "
-            "drafts sampled from the draft distribution would need a rejection-sampling verifier"
-        )
     bs, n = tree.draft_tokens.shape
     dev = tree.draft_tokens.device
     logits = target_logits.reshape(bs * n, -1)
