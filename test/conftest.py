@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see docs/benchmarks_serving.md)
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # must precede any triton import
     os.environ.setdefault("TRITON_INTERPRET", "1")

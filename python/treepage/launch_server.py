@@ -7,9 +7,14 @@ never a traceback: the message is what the user needs, the stack is not.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
-from treepage.server_args import ArgumentError, ServerArgs, parse_args
+# Before torch starts OpenMP: spinning workers stall every forward when the scheduler and forward threads
+# (or other processes) share few cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from treepage.server_args import ArgumentError, ServerArgs, parse_args  # noqa: E402
 
 EXIT_BAD_ARGS = 2
 _PROG = "treepage.launch_server"

@@ -1,32 +1,24 @@
-"""A simple backend: torch SDPA on KV gathered through one page table per query row.
+"""A backend without the cascade: each draft query reads the shared prefix again through its own page table.
 
-It has no cascade: a draft query reads the shared prefix again for every branch, so routing refuses
-topk > 1 with page_size > 1 on it. Useful as a plain-serving baseline and for topk == 1 speculation.
+Extend and decode are torch_native's (SDPA on KV gathered by page table). Because the draft decode re-reads
+the prefix once per branch, routing refuses topk > 1 with page_size > 1 on it.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from treepage.layers.attention.base import AttentionMetadata
-from treepage.layers.attention.torch_native_backend import TorchNativeAttnBackend, gather_by_page_table
+from treepage.layers.attention.torch_native_backend import (
+    TorchNativeAttnBackend,
+    gather_by_page_table,
+    sdpa_on_gathered,
+)
 
 
 class SdpaAttnBackend(TorchNativeAttnBackend):
     name = "sdpa"
     supports_paged_tree_draft = False
-
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float) -> torch.Tensor:
-        P, Lk = meta.page_size, meta.max_kv_len
-        k = gather_by_page_table(k_cache, meta.page_table, P, Lk).transpose(1, 2)
-        v = gather_by_page_table(v_cache, meta.page_table, P, Lk).transpose(1, 2)
-        p = torch.arange(Lk, device=q.device)
-        mask = (p[None, :] < meta.kv_lens.long()[:, None])[:, None, None, :]
-        o = F.scaled_dot_product_attention(
-            q[:, :, None, :], k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling, enable_gqa=True
-        )
-        return o[:, :, 0, :]
 
     def cascade_draft_decode(
         self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float
@@ -44,10 +36,7 @@ class SdpaAttnBackend(TorchNativeAttnBackend):
         in_branch = (p[None, :] >= n_shared_pages * P) & (
             p[None, :] - n_shared_pages * P < meta.branch_lens.long()[:, None]
         )
-        k = gather_by_page_table(k_cache, table, P, L).transpose(1, 2)
-        v = gather_by_page_table(v_cache, table, P, L).transpose(1, 2)
+        k = gather_by_page_table(k_cache, table, P, L)
+        v = gather_by_page_table(v_cache, table, P, L)
         mask = (in_shared | in_branch)[:, None, None, :]
-        o = F.scaled_dot_product_attention(
-            q[:, :, None, :], k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling, enable_gqa=True
-        )
-        return o[:, :, 0, :]
+        return sdpa_on_gathered(q[:, :, None, :], k, v, mask, scaling)[:, :, 0, :]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from treepage.layers.attention.base import AttentionBackend, AttentionMetadata
 
@@ -41,52 +42,48 @@ def merge_by_lse(o1, lse1, o2, lse2):
     return (o1 * w1.unsqueeze(-1) + o2 * w2.unsqueeze(-1)) / denom.unsqueeze(-1)
 
 
+def sdpa_on_gathered(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [B, Hq, Lq, D]; k/v gathered [B, Lk, Hkv, D]; mask broadcastable to [B, Hq, Lq, Lk] -> [B, Hq, Lq, D]."""
+    k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
 class TorchNativeAttnBackend(AttentionBackend):
     name = "torch_native"
     supports_paged_tree_draft = True
 
     def extend(self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float) -> torch.Tensor:
+        """Per request, unpadded: prefix fully visible, new tokens causal or under the tree mask."""
         P = meta.page_size
-        device = q.device
-        qo = meta.qo_indptr.long()
-        q_lens = qo[1:] - qo[:-1]
-        B = q_lens.shape[0]
-        Lq, Lk = meta.max_q_len, meta.max_kv_len
-        # Pad queries to [B, Lq].
-        j = torch.arange(Lq, device=device)
-        q_valid = j[None, :] < q_lens[:, None]
-        q_idx = (qo[:-1, None] + j[None, :]).clamp_max(q.shape[0] - 1)
-        qp = q[q_idx]
-        k = gather_by_page_table(k_cache, meta.page_table, P, Lk)
-        v = gather_by_page_table(v_cache, meta.page_table, P, Lk)
-        prefix = meta.prefix_lens.long()
-        kv_lens = meta.kv_lens.long()
-        p = torch.arange(Lk, device=device)
-        rel = p[None, None, :] - prefix[:, None, None]  # key index inside the new window
-        in_prefix = rel < 0
-        in_kv = p[None, None, :] < kv_lens[:, None, None]
-        if meta.custom_mask is None:
-            new_ok = rel <= j[None, :, None]
-        else:
-            mptr = meta.mask_indptr.long()
-            rel_c = rel.clamp(min=0)
-            jj = j[None, :, None].expand(B, Lq, Lk)
-            flat = mptr[:-1, None, None] + jj * q_lens[:, None, None] + rel_c
-            flat = flat.clamp(max=meta.custom_mask.numel() - 1)
-            new_ok = meta.custom_mask[flat] & (rel_c < q_lens[:, None, None])
-        mask = (in_prefix | new_ok) & in_kv & q_valid[:, :, None]
-        o, _ = attend(qp, k, v, mask, scaling)
-        return o[q_valid].to(q.dtype)
+        qo = meta.qo_indptr.tolist()
+        prefix = meta.prefix_lens.tolist()
+        out = torch.empty_like(q)
+        for b in range(len(prefix)):
+            s, e = qo[b], qo[b + 1]
+            q_len, kv_len = e - s, prefix[b] + e - s
+            k = gather_by_page_table(k_cache, meta.page_table[b : b + 1], P, kv_len)
+            v = gather_by_page_table(v_cache, meta.page_table[b : b + 1], P, kv_len)
+            if meta.custom_mask is None:
+                row = torch.arange(q_len, device=q.device)[:, None]
+                col = torch.arange(kv_len, device=q.device)[None, :]
+                mask = col <= prefix[b] + row
+            else:
+                m0 = int(meta.mask_indptr[b])
+                tree = meta.custom_mask[m0 : m0 + q_len * q_len].view(q_len, q_len)
+                mask = torch.cat([tree.new_ones(q_len, prefix[b]), tree], dim=1)
+            out[s:e] = sdpa_on_gathered(q[s:e].transpose(0, 1)[None], k, v, mask[None, None], scaling)[
+                0
+            ].transpose(0, 1)
+        return out
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float) -> torch.Tensor:
-        P = meta.page_size
-        Lk = meta.max_kv_len
+        P, Lk = meta.page_size, meta.max_kv_len
         k = gather_by_page_table(k_cache, meta.page_table, P, Lk)
         v = gather_by_page_table(v_cache, meta.page_table, P, Lk)
-        p = torch.arange(Lk, device=q.device)
-        mask = (p[None, :] < meta.kv_lens.long()[:, None])[:, None, :]
-        o, _ = attend(q[:, None], k, v, mask, scaling)
-        return o[:, 0].to(q.dtype)
+        mask = torch.arange(Lk, device=q.device)[None, :] < meta.kv_lens.long()[:, None]
+        return sdpa_on_gathered(q[:, :, None, :], k, v, mask[:, None, None, :], scaling)[:, :, 0, :]
 
     def cascade_draft_decode(
         self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float
