@@ -29,6 +29,7 @@ from common import (
     QUESTIONS,
     chat_ids,
     ensure_passive_omp,
+    load_hf,
     machine_info,
     machine_line,
     median,
@@ -40,29 +41,11 @@ from common import (
 )
 
 from treepage.entrypoints.engine import Engine
-from treepage.models.loader import default_model_path, load_config, load_state_dict
+from treepage.models.loader import default_model_path
 from treepage.server_args import ServerArgs
 
 MIXED_PROMPT_LENS = [16, 400, 48, 256, 24, 128, 320, 64]
 MIXED_MAX_TOKENS = [128, 16, 96, 32, 128, 24, 64, 16]
-
-
-def load_hf(path: str, dtype: torch.dtype, device: str):
-    """transformers' own LlamaForCausalLM with the same dequantized GGUF weights treepage loads.
-
-    (`from_pretrained(dir, gguf_file=...)` would need `accelerate`, which is not a project dependency; the
-    modeling code, generate loop and KV cache are transformers' either way.)
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = load_config(path)
-    hf_cfg = LlamaConfig(**{k: v for k, v in cfg.hf_config.items() if k != "architectures"})
-    model = LlamaForCausalLM(hf_cfg)
-    missing, unexpected = model.load_state_dict(load_state_dict(path), strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    model.generation_config.eos_token_id = None  # decode through EOS, as treepage's ignore_eos does
-    return model.to(device=device, dtype=dtype).eval()
 
 
 @torch.inference_mode()
@@ -111,7 +94,7 @@ def profile_decode(engine: Engine, prompt: list[int], new_tokens: int, top: int)
         if kind == "torch":
             from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                 while req.finished is None:
                     sched.step()
                     steps += 1
@@ -119,7 +102,8 @@ def profile_decode(engine: Engine, prompt: list[int], new_tokens: int, top: int)
             avg = prof.key_averages()
             table = avg.table(sort_by="self_cpu_time_total", row_limit=top)
             print(f"\n### torch.profiler: treepage batch-1 decode, {steps} steps, {wall:.2f} s\n\n{table}")
-            results["torch_profiler"] = {"steps": steps, "wall_s": wall, "groups": _group_ops(avg)}
+            groups = _group_ops(prof.key_averages(group_by_input_shape=True), engine.vocab_size)
+            results["torch_profiler"] = {"steps": steps, "wall_s": wall, "groups": groups}
             results["torch_profiler"]["top"] = [
                 {"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
                 for e in sorted(avg, key=lambda e: -e.self_cpu_time_total)[:top]
@@ -141,8 +125,12 @@ def profile_decode(engine: Engine, prompt: list[int], new_tokens: int, top: int)
 
 
 _GROUPS = {
-    "matmul (linear / lm_head)": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"),
-    "attention math (einsum, softmax, masks)": (
+    "matmul: decoder linears": ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear"),
+    "attention (SDPA or einsum/bmm, softmax, masks)": (
+        "aten::scaled_dot_product_attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_attention_math",
+        "aten::bmm",
         "aten::einsum",
         "aten::logsumexp",
         "aten::exp",
@@ -151,7 +139,7 @@ _GROUPS = {
         "aten::sub",
         "aten::clamp_min",
     ),
-    "KV gather / index / copy": (
+    "KV gather / index / copy / casts": (
         "aten::index",
         "aten::index_put_",
         "aten::copy_",
@@ -159,14 +147,17 @@ _GROUPS = {
         "aten::_to_copy",
     ),
 }
+LM_HEAD = "matmul: lm_head (vocab projection)"
 
 
-def _group_ops(avg) -> dict[str, float]:
-    """Self CPU ms by coarse group; whatever no group claims is 'other ops'."""
-    out = {g: 0.0 for g in _GROUPS}
-    out["other ops"] = 0.0
+def _group_ops(avg, vocab: int) -> dict[str, float]:
+    """Self CPU ms by coarse group (avg grouped by input shape, so the lm_head matmul can be told apart)."""
+    out = {LM_HEAD: 0.0, **{g: 0.0 for g in _GROUPS}, "other ops": 0.0}
     for e in avg:
         ms = e.self_cpu_time_total / 1e3
+        if e.key in ("aten::mm", "aten::addmm") and any(vocab in (s or []) for s in e.input_shapes):
+            out[LM_HEAD] += ms
+            continue
         for g, names in _GROUPS.items():
             if e.key in names:
                 out[g] += ms
@@ -186,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--new-tokens", type=int, default=128, help="batch-1 output length")
     ap.add_argument(
-        "--repeats", type=int, default=2, help="timed runs per side and scenario (median reported)"
+        "--repeats", type=int, default=1, help="timed runs per side and scenario (median reported)"
     )
     ap.add_argument(
         "--mixed-scale", type=float, default=1.0, help="scale mixed max_tokens (quick runs: 0.25)"

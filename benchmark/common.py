@@ -59,6 +59,26 @@ def ensure_passive_omp() -> None:
         os.execv(sys.executable, [sys.executable, *sys.argv])
 
 
+def code_version() -> dict[str, Any]:
+    """The commit the numbers belong to, and whether the package had uncommitted edits (others work live)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "dirty_files": git("status", "--porcelain", "python").splitlines(),
+    }
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on (the docs quote this)."""
     cpu = "unknown"
@@ -85,6 +105,7 @@ def machine_info() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "code": code_version(),
         "loadavg_at_start": os.getloadavg(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
@@ -154,6 +175,26 @@ def run_requests(
     return BatchRun(outs, time.perf_counter() - t0)
 
 
+def load_hf(path: str, dtype: torch.dtype, device: str):
+    """transformers' own LlamaForCausalLM with exactly the weights treepage loads (a GGUF is dequantized).
+
+    (`from_pretrained(dir, gguf_file=...)` would need `accelerate`, which is not a project dependency; the
+    modeling code, generate loop and KV cache are transformers' either way.)
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from treepage.models.loader import load_config, load_state_dict
+
+    cfg = load_config(path)
+    hf_cfg = LlamaConfig(**{k: v for k, v in cfg.hf_config.items() if k != "architectures"})
+    model = LlamaForCausalLM(hf_cfg)
+    missing, unexpected = model.load_state_dict(load_state_dict(path), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    model.generation_config.eos_token_id = None  # decode through EOS, as treepage's ignore_eos does
+    return model.to(device=device, dtype=dtype).eval()
+
+
 def write_results(name: str, data: dict) -> Path:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
@@ -183,5 +224,6 @@ def machine_line(info: dict[str, Any]) -> str:
         f"{info['date']}; {info['nproc']} CPUs ({info['cpu_model']}, {bf16}), torch {info['torch']} "
         f"({info['torch_threads']} threads, OMP_WAIT_POLICY={info.get('omp_wait_policy')}), transformers "
         f"{info['transformers']}, Python {info['python']}; load average at start "
-        f"{' / '.join(f'{x:.1f}' for x in info['loadavg_at_start'])} (1/5/15 min, other users share the CPU)"
+        f"{' / '.join(f'{x:.1f}' for x in info['loadavg_at_start'])} (1/5/15 min, other users share the CPU); "
+        f"code {info['code']['commit']}{' + uncommitted edits' if info['code']['dirty_files'] else ''}"
     )

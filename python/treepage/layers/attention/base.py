@@ -7,7 +7,7 @@ Every backend reads KV by page table at every page size: position p of a request
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -46,6 +46,8 @@ class AttentionMetadata:
     branch_page_table: torch.Tensor | None = None  # [B*K, max_branch_pages] int32
     branch_lens: torch.Tensor | None = None  # [B*K] int32
     topk: int = 1
+    # Backend-derived, per-forward values shared by all layers (e.g. slot tables), filled lazily.
+    derived: dict = field(default_factory=dict)
 
 
 def build_attention_metadata(fb: ForwardBatch) -> AttentionMetadata:

@@ -8,12 +8,15 @@ import torch.nn.functional as F
 from treepage.layers.attention.base import AttentionBackend, AttentionMetadata
 
 
+def slots_by_page_table(page_table: torch.Tensor, page_size: int, max_len: int) -> torch.Tensor:
+    """[B, max_len] slots: position p of row b lives at page_table[b, p // P] * P + p % P."""
+    pos = torch.arange(max_len, device=page_table.device)
+    return page_table.long()[:, pos // page_size] * page_size + (pos % page_size)
+
+
 def gather_by_page_table(cache: torch.Tensor, page_table: torch.Tensor, page_size: int, max_len: int):
-    """cache [slots, H, D] -> [B, max_len, H, D]; position p of row b is slot page_table[b, p//P]*P + p%P."""
-    pos = torch.arange(max_len, device=cache.device)
-    pages = page_table.long()[:, pos // page_size]
-    slots = pages * page_size + (pos % page_size)
-    return cache[slots]
+    """cache [slots, H, D] -> [B, max_len, H, D], read through the page table."""
+    return cache[slots_by_page_table(page_table, page_size, max_len)]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
@@ -79,11 +82,22 @@ class TorchNativeAttnBackend(AttentionBackend):
         return out
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float) -> torch.Tensor:
-        P, Lk = meta.page_size, meta.max_kv_len
-        k = gather_by_page_table(k_cache, meta.page_table, P, Lk)
-        v = gather_by_page_table(v_cache, meta.page_table, P, Lk)
-        mask = torch.arange(Lk, device=q.device)[None, :] < meta.kv_lens.long()[:, None]
-        return sdpa_on_gathered(q[:, :, None, :], k, v, mask[:, None, None, :], scaling)[:, :, 0, :]
+        """Grouped matmuls in the cache dtype (no K/V repeat for GQA), softmax in fp32."""
+        if "decode_slots" not in meta.derived:  # once per forward, shared by every layer
+            Lk = meta.max_kv_len
+            meta.derived["decode_slots"] = slots_by_page_table(meta.page_table, meta.page_size, Lk)
+            meta.derived["decode_mask"] = (
+                torch.arange(Lk, device=q.device)[None, :] < meta.kv_lens.long()[:, None]
+            )
+        slots, mask = meta.derived["decode_slots"], meta.derived["decode_mask"]
+        B, Hq, D = q.shape
+        Hkv = k_cache.shape[1]
+        k = k_cache[slots].permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, Lk, D]
+        v = v_cache[slots].permute(0, 2, 1, 3).to(q.dtype)
+        scores = torch.matmul(q.view(B, Hkv, Hq // Hkv, D), k.transpose(-1, -2)).float() * scaling
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, v).reshape(B, Hq, D)
 
     def cascade_draft_decode(
         self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float
