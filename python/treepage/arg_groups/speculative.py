@@ -29,6 +29,32 @@ AUTO_TREE_LLAMA = (5, 4, 8)
 AUTO_TREE_OTHER = (3, 1, 4)
 
 
+# What `make serve` runs with no flags: the bundled EAGLE-3 head, tree drafting on 64-token pages, spec v2.
+# (steps, topk, draft tokens) chosen by measurement on the 2-core CPU (docs/training.md).
+DEFAULT_SERVER_TREE = (4, 4, 16)
+DEFAULT_SERVER_PAGE = 64
+
+
+def apply_default_server_speculation(args: ServerArgs) -> None:
+    """For the embedded default model with no --speculative-algorithm: EAGLE-3 with the shipped head.
+
+    `--speculative-algorithm NONE` turns it off; explicit steps / topk / draft-token flags are kept.
+    """
+    from treepage.models.shipped_heads import shipped_head_path
+
+    if args.speculative_algorithm is not None:
+        return
+    args.speculative_algorithm = "EAGLE3"
+    args.speculative_draft_model_path = args.speculative_draft_model_path or shipped_head_path("EAGLE3")
+    if (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (
+        None,
+    ) * 3:
+        S, K, N = DEFAULT_SERVER_TREE
+        args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens = S, K, N
+    if args.page_size is None:
+        args.page_size = DEFAULT_SERVER_PAGE
+
+
 def max_tree_candidates(steps: int, topk: int) -> int:
     """Draft nodes a round can produce: K at step 0, K*K at each later step."""
     return topk + (steps - 1) * topk * topk

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from treepage.arg_groups import resolve_dtype, resolve_server_args
+from treepage.arg_groups.speculative import apply_default_server_speculation
 from treepage.managers.schedule_batch import FinishReason, Req, SamplingParams, new_rid
 from treepage.managers.scheduler import Scheduler
 from treepage.managers.tokenizer import eos_token_ids, load_tokenizer
@@ -40,6 +41,7 @@ class Engine:
         args = server_args or ServerArgs(**kwargs)
         if args.model_path is None:
             args.model_path = default_model_path()
+            apply_default_server_speculation(args)
         config = load_config(args.model_path)
         resolve_server_args(args, config.architecture)
         self.args = args
