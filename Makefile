@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup serve test test-fast lint bench clean
+.PHONY: setup serve test test-fast lint bench clean train-heads
 
 $(STAMP): pyproject.toml requirements.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -34,3 +34,9 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# Data generation + training of the shipped draft heads (EAGLE-3 and EAGLE) for the default model; CPU or GPU.
+train-heads: $(STAMP)
+	$(PY) scripts/make_eagle_data.py --out build/eagle
+	$(PY) scripts/train_eagle.py --algorithm EAGLE3 --data build/eagle --loss-png docs/eagle3_loss.png
+	$(PY) scripts/train_eagle.py --algorithm EAGLE --data build/eagle --loss-png docs/eagle_loss.png

@@ -370,7 +370,7 @@ def lr_at(step: int, args) -> float:
     return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def plot(history: dict, path: str, title: str) -> None:
+def plot(history: dict, path: str, title: str, decay: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -386,14 +386,14 @@ def plot(history: dict, path: str, title: str) -> None:
     a.plot(steps, loss, alpha=0.3, label="train loss (batch)")
     a.plot(steps, smooth, label="train loss (EMA)")
     if history["eval"]:
-        a.plot([e["step"] for e in history["eval"]], [sum(e["loss"]) for e in history["eval"]], "o-",
-               label="held-out loss (sum over unroll steps)")  # fmt: skip
+        weighted = [sum(decay**k * x for k, x in enumerate(e["loss"])) for e in history["eval"]]
+        a.plot([e["step"] for e in history["eval"]], weighted, "o-", label="held-out loss")
         K = len(history["eval"][0]["acc"])
         for k in range(K):
             b.plot([e["step"] for e in history["eval"]], [e["acc"][k] for e in history["eval"]], "o-",
                    label=f"unroll step {k}")  # fmt: skip
     a.set_xlabel("optimizer step")
-    a.set_title(f"{title}: loss")
+    a.set_title(f"{title}: loss = sum over unroll steps k of {decay}^k loss_k")
     a.legend()
     b.set_xlabel("optimizer step")
     b.set_title(f"{title}: held-out top-1 agreement with the target")
@@ -414,17 +414,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="head directory (default: the package's shipped head)")
     ap.add_argument("--loss-png", default=None)
     ap.add_argument("--model-path", default=None, help="target (default: the embedded SmolLM2 GGUF)")
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps (default: EAGLE3 900, EAGLE 500)"
+    )
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=30)
-    ap.add_argument("--ttt-steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=25)
+    ap.add_argument("--ttt-steps", type=int, default=None, help="unroll length (default: EAGLE3 5, EAGLE 3)")
     ap.add_argument("--step-decay", type=float, default=0.8, help="weight 0.8^k of unroll step k")
     ap.add_argument("--token-weight", type=float, default=0.1, help="EAGLE: weight of the token loss")
     ap.add_argument("--noise", type=float, default=0.0, help="uniform input-feature noise, x feature std")
-    ap.add_argument("--draft-vocab-size", type=int, default=8192)
+    ap.add_argument("--draft-vocab-size", type=int, default=4096)
     ap.add_argument("--init-layer", type=int, default=None, help="target layer copied at init (default last)")
+    ap.add_argument("--branch-init-scale", type=float, default=0.0, help="EAGLE: scale of copied o/down_proj")
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True, help="bf16 matmuls")
     ap.add_argument("--feature-dtype", default="bfloat16", help="dtype of the target pass")
@@ -437,6 +440,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="auto")
     args = ap.parse_args(argv)
+    eagle3 = args.algorithm == "EAGLE3"
+    args.steps = args.steps or (900 if eagle3 else 500)
+    args.ttt_steps = args.ttt_steps or (5 if eagle3 else 3)
     args.work = args.work or os.path.join(args.data, "work")
     args.out = args.out or DEFAULT_OUT[args.algorithm]
     args.loss_png = args.loss_png or os.path.join(REPO, DEFAULT_PNG[args.algorithm])
@@ -482,6 +488,12 @@ def main(argv: list[str] | None = None) -> dict:
         hot if args.algorithm == "EAGLE3" else None,
         args.init_layer,
     )
+    if args.algorithm == "EAGLE":
+        # EAGLE's layer has no input norm and feeds its raw output back: a copied late layer writes residual-
+        # stream-sized updates (massive activations) that explode over the unroll. Start its residual branches
+        # at zero instead, i.e. as the identity on the feature; the copied projections still seed the rest.
+        for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
+            init[name] = init[name] * args.branch_init_scale
     hcfg = ModelConfig.from_hf_dict(cfg_d)
     embed = nn.Embedding(tcfg.vocab_size, tcfg.hidden_size).to(device)
     embed.weight.data.copy_(tstate["model.embed_tokens.weight"])
@@ -549,7 +561,7 @@ def main(argv: list[str] | None = None) -> dict:
             if os.path.exists(os.path.join(args.out, f)):
                 os.remove(os.path.join(args.out, f))
     save_eagle_head(args.out, cfg_d, state, dtype=torch.bfloat16)
-    plot(history, args.loss_png, args.algorithm)
+    plot(history, args.loss_png, args.algorithm, args.step_decay)
     summary = {
         "algorithm": args.algorithm,
         "train_records": len(train.ids),

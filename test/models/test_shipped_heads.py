@@ -9,10 +9,11 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from treepage.entrypoints.engine import Engine
 from treepage.managers.tokenizer import apply_chat_template
-from treepage.models.loader import default_model_path, load_config, load_state_dict
+from treepage.models.loader import default_model_path, load_config
 from treepage.models.shipped_heads import SHIPPED_HEADS, shipped_head_path
 from treepage.server_args import ServerArgs
 
@@ -36,7 +37,7 @@ def test_shipped_heads_are_small_released_layouts(algorithm):
     cfg, target = load_config(path), load_config(default_model_path())
     want = {"EAGLE3": "LlamaForCausalLMEagle3", "EAGLE": "LlamaForCausalLMEagle"}[algorithm]
     assert cfg.architecture == want and cfg.num_hidden_layers == 1 and cfg.hidden_size == target.hidden_size
-    state = load_state_dict(path, progress=False)
+    state = load_file(os.path.join(path, "model.safetensors"))  # as stored, before any cast
     assert all(t.dtype == torch.bfloat16 for t in state.values() if t.is_floating_point())
     if algorithm == "EAGLE3":
         Vd = cfg.hf_config["draft_vocab_size"]
