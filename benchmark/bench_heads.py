@@ -30,7 +30,14 @@ from treepage.models.loader import default_model_path  # noqa: E402
 from treepage.models.shipped_heads import shipped_head_path  # noqa: E402
 from treepage.server_args import ServerArgs  # noqa: E402
 
-DEFAULT_CONFIGS = ["EAGLE3:5,8,32", "EAGLE3:5,4,16", "EAGLE3:4,4,16", "EAGLE3:3,1,4", "EAGLE:5,8,64"]
+DEFAULT_CONFIGS = [
+    "EAGLE3:5,8,32",
+    "EAGLE3:5,4,16",
+    "EAGLE3:4,4,16",
+    "EAGLE3:5,1,6",
+    "EAGLE3:3,1,4",
+    "EAGLE:5,8,64",
+]
 
 
 def parse_config(text: str) -> tuple[str, int, int, int]:
@@ -66,7 +73,11 @@ def measure(engine: Engine, prompts: list[list[int]], batch_size: int, max_new: 
 
 def run_config(args, spec: tuple[str, int, int, int] | None, prompts: list[list[int]]) -> dict:
     kw: dict = {"dtype": args.dtype, "page_size": args.page_size, "log_level": "warning"}
-    if spec is not None:
+    if spec is None:
+        kw["speculative_algorithm"] = (
+            "NONE"  # the default model would otherwise speculate with its shipped head
+        )
+    else:
         algo, S, K, N = spec
         kw.update(
             speculative_algorithm=algo,
@@ -109,6 +120,11 @@ def main(argv: list[str] | None = None) -> dict:
             plain = res
         for bs, r in res.items():
             r["equal_to_plain"] = r["outputs"] == plain[bs]["outputs"]
+            # Where each output first leaves the plain one (its length when equal): bf16 near-ties show here.
+            r["first_divergence"] = [
+                next((i for i, (x, y) in enumerate(zip(o, p)) if x != y), min(len(o), len(p)))
+                for o, p in zip(r["outputs"], plain[bs]["outputs"])
+            ]
             r["speedup"] = round(r["tok_per_s"] / plain[bs]["tok_per_s"], 3)
         results["runs"][label] = res
 

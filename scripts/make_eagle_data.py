@@ -9,7 +9,7 @@ Output directory: train.jsonl and heldout.jsonl (one request per line: topic, pr
 manifest.json (sizes, seeds, versions, wall time). Held-out prompts use topics never seen in training.
 Re-running resumes: requests already in the jsonl files are skipped.
 
-    python scripts/make_eagle_data.py --out build/eagle --num-train 1152 --num-heldout 64
+    python scripts/make_eagle_data.py --out build/eagle --num-train 1280 --num-heldout 64
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="build/eagle")
     ap.add_argument("--model-path", default=None, help="target checkpoint (default: the embedded SmolLM2)")
-    ap.add_argument("--num-train", type=int, default=1152)
+    ap.add_argument("--num-train", type=int, default=1280)
     ap.add_argument("--num-heldout", type=int, default=64)
     ap.add_argument("--heldout-frac", type=float, default=0.1, help="share of topics kept out of training")
     ap.add_argument("--max-new-tokens", type=int, default=128)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see docs/benchmarks_serving.md)
+# before torch starts OpenMP (see docs/benchmarks_serving.md)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 

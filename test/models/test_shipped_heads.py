@@ -32,7 +32,10 @@ def heldout_question() -> str:
 @pytest.mark.parametrize("algorithm", sorted(SHIPPED_HEADS))
 def test_shipped_heads_are_small_released_layouts(algorithm):
     path = shipped_head_path(algorithm.lower())
-    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors"]  # no tokenizer: the target's is used
+    assert sorted(os.listdir(path)) == [
+        "config.json",
+        "model.safetensors",
+    ]  # no tokenizer: the target's is used
     assert os.path.getsize(os.path.join(path, "model.safetensors")) < 32 * 2**20
     cfg, target = load_config(path), load_config(default_model_path())
     want = {"EAGLE3": "LlamaForCausalLMEagle3", "EAGLE": "LlamaForCausalLMEagle"}[algorithm]
@@ -45,7 +48,10 @@ def test_shipped_heads_are_small_released_layouts(algorithm):
         assert state["lm_head.weight"].shape == (Vd, cfg.hidden_size) and Vd < target.vocab_size
         assert torch.equal(torch.nonzero(state["t2d"]).flatten(), hot)
     else:
-        assert "lm_head.weight" not in state and state["fc.weight"].shape == (cfg.hidden_size, 2 * cfg.hidden_size)
+        assert "lm_head.weight" not in state and state["fc.weight"].shape == (
+            cfg.hidden_size,
+            2 * cfg.hidden_size,
+        )
 
 
 def test_shipped_head_path_rejects_unknown_algorithms():
@@ -57,7 +63,9 @@ def test_shipped_head_path_rejects_unknown_algorithms():
 def test_shipped_eagle3_head_decodes_exactly_with_real_acceptance():
     """(S, K, N) = (5, 8, 32) at page size 64, float32 so that greedy equality is exact arithmetic."""
     sp = {"temperature": 0, "max_new_tokens": 128}
-    with Engine(ServerArgs(dtype="float32", page_size=64, log_level="warning")) as plain:
+    plain_args = ServerArgs(dtype="float32", page_size=64, log_level="warning", speculative_algorithm="NONE")
+    with Engine(plain_args) as plain:
+        assert plain.avg_spec_accept_length() == 0.0 and not plain.args.speculation
         ids = apply_chat_template(plain.tokenizer, [{"role": "user", "content": heldout_question()}])
         want = plain.generate(input_ids=ids, sampling_params=sp)["output_ids"]
     spec_args = ServerArgs(
