@@ -124,7 +124,15 @@ def count_file(path: str) -> dict:
     return {"prompts": prompts, "prompt_tokens": tokens_in, "response_tokens": tokens_out}
 
 
-def main(argv: list[str] | None = None) -> None:
+def generator_args(model_path: str | None, dtype: str):
+    """Plain greedy decoding: with no flags the default model would speculate with the shipped head, and the data
+    must not depend on the head it trains (in bf16 a speculative run can take the other token at near ties)."""
+    from treepage.server_args import ServerArgs
+
+    return ServerArgs(model_path=model_path, dtype=dtype, speculative_algorithm="NONE", log_level="warning")
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="build/eagle")
     ap.add_argument("--model-path", default=None, help="target checkpoint (default: the embedded SmolLM2)")
@@ -141,12 +149,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     from treepage.entrypoints.engine import Engine
     from treepage.managers.tokenizer import apply_chat_template
-    from treepage.server_args import ServerArgs
 
     os.makedirs(args.out, exist_ok=True)
     prompts = build_prompts(args.num_train, args.num_heldout, args.heldout_frac, args.seed)
     t0 = time.time()
-    engine = Engine(ServerArgs(model_path=args.model_path, dtype=args.dtype, log_level="warning"))
+    engine = Engine(generator_args(args.model_path, args.dtype))
+    assert not engine.args.speculation
     try:
         for split in ("heldout", "train"):
             path = os.path.join(args.out, f"{split}.jsonl")
@@ -176,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "model_path": engine.args.model_path,
         "dtype": args.dtype,
+        "decoding": "plain greedy (speculation off)",
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,
         "num_python_topics": len(python_topics()),
@@ -187,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     with open(os.path.join(args.out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
     print(json.dumps(manifest["splits"], indent=2))
+    return manifest
 
 
 if __name__ == "__main__":
