@@ -3,6 +3,7 @@ equality of every speculative output with the plain one (same batch size, same p
 
     python benchmark/bench_heads.py                      # all configurations, batch 1 and 4
     python benchmark/bench_heads.py --configs EAGLE3:5,8,32 --num-prompts 2 --batch-sizes 1
+    python benchmark/bench_heads.py --configs --profile  # only where the time goes (default tree vs plain)
 
 Held-out prompts are rebuilt by scripts/make_eagle_data.py's generator (topics never seen in training), so the
 benchmark needs no data directory. Results: benchmark/results/<--name>.json plus a markdown table.
@@ -11,6 +12,7 @@ benchmark needs no data directory. Results: benchmark/results/<--name>.json plus
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -21,9 +23,18 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "scripts"))
 
-from common import chat_ids, machine_info, machine_line, print_table, run_requests, write_results  # noqa: E402
+from common import (  # noqa: E402
+    chat_ids,
+    machine_info,
+    machine_line,
+    print_table,
+    profile_decode,
+    run_requests,
+    write_results,
+)
 from make_eagle_data import build_prompts  # noqa: E402
 
+from treepage.arg_groups.speculative import DEFAULT_SERVER_TREE  # noqa: E402
 from treepage.entrypoints.engine import Engine  # noqa: E402
 from treepage.managers.tokenizer import load_tokenizer  # noqa: E402
 from treepage.models.loader import default_model_path  # noqa: E402
@@ -44,6 +55,15 @@ def parse_config(text: str) -> tuple[str, int, int, int]:
     algo, _, tree = text.partition(":")
     S, K, N = (int(x) for x in tree.split(","))
     return algo.upper(), S, K, N
+
+
+def head_digests(args) -> dict[str, str]:
+    """sha256 of each head's weights, so a result names the exact head it measured."""
+    out = {}
+    for algo in ("EAGLE3", "EAGLE"):
+        path = Path(args.head_dirs.get(algo) or shipped_head_path(algo)) / "model.safetensors"
+        out[algo] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
 
 
 def heldout_questions(n: int) -> list[str]:
@@ -71,7 +91,7 @@ def measure(engine: Engine, prompts: list[list[int]], batch_size: int, max_new: 
     }
 
 
-def run_config(args, spec: tuple[str, int, int, int] | None, prompts: list[list[int]]) -> dict:
+def engine_args(args, spec: tuple[str, int, int, int] | None, **extra) -> ServerArgs:
     kw: dict = {"dtype": args.dtype, "page_size": args.page_size, "log_level": "warning"}
     if spec is None:
         kw["speculative_algorithm"] = (
@@ -86,7 +106,11 @@ def run_config(args, spec: tuple[str, int, int, int] | None, prompts: list[list[
             speculative_eagle_topk=K,
             speculative_num_draft_tokens=N,
         )
-    engine = Engine(ServerArgs(**kw))
+    return ServerArgs(**kw, **extra)
+
+
+def run_config(args, spec: tuple[str, int, int, int] | None, prompts: list[list[int]]) -> dict:
+    engine = Engine(engine_args(args, spec))
     try:
         run_requests(engine, prompts[:1], 8, ignore_eos=False)  # warm-up, not timed
         return {str(bs): measure(engine, prompts, bs, args.max_new_tokens) for bs in args.batch_sizes}
@@ -94,9 +118,35 @@ def run_config(args, spec: tuple[str, int, int, int] | None, prompts: list[list[
         engine.shutdown()
 
 
+def profile(args, spec: tuple[str, int, int, int], prompts: list[list[int]]) -> dict:
+    """Where the time of a decode step / speculative round goes, plain vs spec, at each batch size (spec v1: the
+    same round as v2, stepped on this thread so that cProfile sees it)."""
+    out: dict = {}
+    for bs in args.batch_sizes:
+        for label, sp in (("plain", None), ("spec", spec)):
+            engine = Engine(engine_args(args, sp, disable_overlap_schedule=True))
+            out[f"{label} b{bs}"] = profile_decode(engine, prompts[:bs], args.max_new_tokens)
+    cols = list(out)
+    labels = next(iter(out.values()))["labels"]
+    rows = [[lb] + [out[c]["parts_ms_per_step"][lb.strip()] for c in cols] for lb in labels]
+    rows += [
+        ["ms per step / round (under the profiler)"] + [out[c]["ms_per_step"] for c in cols],
+        ["tokens per step / round"] + [out[c]["tokens_per_step"] for c in cols],
+        ["ms per token"] + [round(out[c]["ms_per_step"] / out[c]["tokens_per_step"], 2) for c in cols],
+    ]
+    algo, S, K, N = spec
+    print_table(
+        f"Where the time goes: {algo} (S, K, N) = ({S}, {K}, {N}) vs plain, page {args.page_size}, {args.dtype}, "
+        f"ms per step (cumulative cProfile time; a speculative round is one step)",
+        ["part"] + cols,
+        rows,
+    )
+    return {"config": f"{algo}:{S},{K},{N}", "runs": out}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="ALGO:S,K,N")
+    ap.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS, help="ALGO:S,K,N (none: profile only)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -105,15 +155,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--head", action="append", default=[], help="ALGO=DIR: a head other than the shipped one")
     ap.add_argument("--name", default="heads_cpu", help="results file name (benchmark/results/NAME.json)")
+    ap.add_argument("--profile", action="store_true", help="also profile plain vs --profile-config")
+    ap.add_argument("--profile-config", default="EAGLE3:{},{},{}".format(*DEFAULT_SERVER_TREE))
     args = ap.parse_args(argv)
     args.head_dirs = dict(h.split("=", 1) for h in args.head)
     torch.set_num_threads(args.threads)
 
     questions = heldout_questions(args.num_prompts)
     prompts = [chat_ids(load_tokenizer(default_model_path()), q) for q in questions]
-    results: dict = {"machine": machine_info(), "args": vars(args), "questions": questions, "runs": {}}
+    results: dict = {"machine": machine_info(), "args": vars(args), "heads": head_digests(args)}
+    results |= {"questions": questions, "runs": {}}
     plain: dict | None = None
-    for label, spec in [("plain", None)] + [(c, parse_config(c)) for c in args.configs]:
+    runs = [("plain", None)] + [(c, parse_config(c)) for c in args.configs] if args.configs else []
+    for label, spec in runs:
         print(f"running {label} ...", flush=True)
         res = run_config(args, spec, prompts)
         if plain is None:
@@ -134,6 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(
                 [label, bs, r["accept_len"] or "-", r["tok_per_s"], r["speedup"], r["equal_to_plain"]]
             )
+    if args.profile:
+        results["profile"] = profile(args, parse_config(args.profile_config), prompts)
     print(machine_line(results["machine"]))
     print_table(
         f"Shipped heads, {args.num_prompts} held-out prompts, greedy, {args.max_new_tokens} new tokens, "

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import os
 import sys
@@ -36,6 +35,7 @@ from common import (
     machine_info,
     machine_line,
     print_table,
+    profile_decode,
     run_requests,
     write_results,
 )
@@ -202,39 +202,10 @@ def first_mismatch(a: list[list[int]], b: list[list[int]]) -> list[tuple[int, in
     return bad
 
 
-# (file suffix, function) -> label: the parts of a speculative round (cumulative time under cProfile).
-ROUND_PARTS = [
-    ("scheduler.py", "step", "scheduler step (everything)"),
-    ("scheduler.py", "_prepare_for_decode", "  reserve KV for the round (prepare_for_decode)"),
-    ("eagle_worker.py", "run_round", "  run_round (draft + verify + extend)"),
-    (
-        "eagle_info_v2.py",
-        "duplicate_prefix_tail_to_draft_branches",
-        "    prefix-tail duplication (holey layout)",
-    ),
-    ("draft_layout.py", "draft_out_cache_loc", "    draft slot computation"),
-    ("eagle_worker.py", "_draft_logits_topk", "    draft lm_head + softmax + top-K (all steps and extend)"),
-    ("eagle_worker.py", "_regather_lanes", "    lane regather (K > 1)"),
-    ("eagle_tree.py", "build_tree", "    build_tree"),
-    ("model_runner.py", "forward", "    target verify forward (ModelRunner.forward)"),
-    ("eagle_verify.py", "verify_tree_greedy", "    greedy tree verify"),
-    ("eagle_worker.py", "_draft_extend", "    draft extend over accepted tokens"),
-    ("memory_pool.py", "move_kv_cache", "    move_kv_cache (accepted KV, regather, tail dup)"),
-    (
-        "llama.py",
-        "LlamaForCausalLM.forward",
-        "    all Llama forwards (target verify + draft steps + draft extend)",
-    ),
-]
-
-
 def profile_round(
     args, target: str, draft: str, algorithm: str, P: int, tree: Tree, prompt: list[int]
 ) -> dict:
     """cProfile of spec v1 rounds stepped on this thread (v2 would run them on its forward thread)."""
-    import cProfile
-    import pstats
-
     engine = make_engine(
         argparse.Namespace(**{**vars(args), "disable_overlap_schedule": True}),
         target,
@@ -243,52 +214,17 @@ def profile_round(
         P,
         tree,
     )
-    run_requests(engine, [prompt], 6)
-    engine.wait_idle()
-    engine.shutdown()
-    sched = engine.scheduler
-    sp = engine.make_sampling_params(
-        {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
-    )
-    req = engine.submit(prompt, sp, lambda out: None)
-    sched.step()  # prefill, outside the profile
-    rounds0 = engine.worker.debug.rounds
-    pr = cProfile.Profile()
-    t0 = time.perf_counter()
-    pr.enable()
-    while req.finished is None:
-        sched.step()
-    pr.disable()
-    wall = time.perf_counter() - t0
-    rounds = engine.worker.debug.rounds - rounds0
-    stats = pstats.Stats(pr).stats
-    from treepage.models.llama import LlamaForCausalLM
-
-    llama_line = inspect.getsourcelines(LlamaForCausalLM.forward)[1]
-    parts = []
-    for suffix, fn, label in ROUND_PARTS:
-        line = None
-        if fn == "LlamaForCausalLM.forward":  # llama.py has several forward(); take the model's own
-            fn, line = "forward", llama_line
-        hit = [v for k, v in stats.items() if k[0].endswith(suffix) and k[2] == fn and line in (None, k[1])]
-        parts.append(
-            [label, sum(v[3] for v in hit) * 1e3 / max(rounds, 1), sum(v[1] for v in hit) / max(rounds, 1)]
-        )
+    prof = profile_decode(engine, [prompt], args.new_tokens)
     print_table(
-        f"cProfile of spec v1 rounds, P={P} K={tree.K} S={tree.S} N={tree.N}: {rounds} rounds, "
-        f"{wall * 1e3 / max(rounds, 1):.1f} ms per round under the profiler (cumulative time)",
+        f"cProfile of spec v1 rounds, P={P} K={tree.K} S={tree.S} N={tree.N}: {prof['steps']} rounds, "
+        f"{prof['ms_per_step']:.1f} ms per round under the profiler (cumulative time)",
         ["part", "ms per round", "calls per round"],
-        parts,
+        [
+            [lb, prof["parts_ms_per_step"][lb.strip()], prof["calls_per_step"][lb.strip()]]
+            for lb in prof["labels"]
+        ],
     )
-    return {
-        "P": P,
-        "K": tree.K,
-        "S": tree.S,
-        "N": tree.N,
-        "rounds": rounds,
-        "wall_s": wall,
-        "parts_ms_per_round": {label.strip(): ms for label, ms, _ in parts},
-    }
+    return {"P": P, "K": tree.K, "S": tree.S, "N": tree.N, **prof}
 
 
 NEAR_TIE = 0.25  # fp32 logit gap under which a bf16 decode and a bf16 tree verify may legitimately disagree

@@ -227,3 +227,89 @@ def machine_line(info: dict[str, Any]) -> str:
         f"{' / '.join(f'{x:.1f}' for x in info['loadavg_at_start'])} (1/5/15 min, other users share the CPU); "
         f"code {info['code']['commit']}{' + uncommitted edits' if info['code']['dirty_files'] else ''}"
     )
+
+
+def step_parts() -> list[tuple[str, Callable]]:
+    """The parts of a decode step or a speculative round, as (label, function); indented labels are inside the
+    ones above them. Times are cumulative (a function's callees included)."""
+    from treepage.managers.scheduler import Scheduler
+    from treepage.mem_cache.memory_pool import KVPool
+    from treepage.model_executor.model_runner import ModelRunner
+    from treepage.models.llama import LlamaForCausalLM
+    from treepage.models.llama_eagle import LlamaForCausalLMEagle
+    from treepage.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from treepage.speculative import draft_layout, eagle_info_v2, eagle_tree, eagle_verify
+    from treepage.speculative.eagle_worker import EagleWorker
+
+    return [
+        ("scheduler step (everything)", Scheduler.step),
+        ("  reserve KV (prepare_for_decode)", Scheduler._prepare_for_decode),
+        ("  speculative round (EagleWorker.run_round)", EagleWorker.run_round),
+        ("    target forward: decode, or verify of N tree tokens (ModelRunner.forward)", ModelRunner.forward),
+        (
+            "    draft head forwards: tree steps + extend (EAGLE-3 / EAGLE layers)",
+            LlamaForCausalLMEagle3.forward,
+        ),
+        ("", LlamaForCausalLMEagle.forward),  # "" adds to the row above
+        ("    draft lm_head + softmax + top-K (tree steps + extend)", EagleWorker._draft_logits_topk),
+        ("    draft extend over the accepted tokens (its forward + lm_head)", EagleWorker._draft_extend),
+        ("    prefix-tail duplication (holey layout)", eagle_info_v2.duplicate_prefix_tail_to_draft_branches),
+        ("    draft slot computation (draft_layout)", draft_layout.draft_out_cache_loc),
+        ("    lane regather (K > 1)", EagleWorker._regather_lanes),
+        ("    build_tree", eagle_tree.build_tree),
+        ("    greedy tree verify", eagle_verify.verify_tree_greedy),
+        ("    move_kv_cache (accepted KV, regather, tail dup)", KVPool.move_kv_cache),
+        ("  all Llama forwards (target; a STANDALONE draft too)", LlamaForCausalLM.forward),
+    ]
+
+
+def profile_decode(engine, prompts: Sequence[list[int]], new_tokens: int) -> dict[str, Any]:
+    """cProfile of the decode steps of `prompts` (submitted together) stepped on this thread.
+
+    The engine's own scheduler thread is stopped first; spec v2 would run its rounds on a forward thread that
+    the profiler does not see, so profile a spec v1 engine (`disable_overlap_schedule=True`): same round.
+    """
+    import cProfile
+    import inspect
+    import pstats
+
+    run_requests(engine, [prompts[0]], 6)  # warm-up
+    engine.wait_idle()
+    engine.shutdown()
+    sched = engine.scheduler
+    sp = engine.make_sampling_params({"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True})
+    reqs = [engine.submit(list(p), sp, lambda out: None) for p in prompts]
+    while any(not r.output_ids for r in reqs):
+        sched.step()  # prefill, outside the profile
+    tokens0 = sum(len(r.output_ids) for r in reqs)
+    steps = 0
+    pr = cProfile.Profile()
+    t0 = time.perf_counter()
+    pr.enable()
+    while any(r.finished is None for r in reqs):
+        sched.step()
+        steps += 1
+    pr.disable()
+    wall = time.perf_counter() - t0
+    tokens = sum(len(r.output_ids) for r in reqs) - tokens0
+    stats = pstats.Stats(pr).stats
+    parts: dict[str, list[float]] = {}
+    label = ""
+    for name, fn in step_parts():
+        label = name or label
+        code = inspect.unwrap(fn).__code__
+        key = (code.co_filename, code.co_firstlineno, code.co_name)
+        cc, nc, tt, ct, _ = stats.get(key, (0, 0, 0.0, 0.0, None))
+        ms, calls = parts.get(label.strip(), [0.0, 0.0])
+        parts[label.strip()] = [ms + ct * 1e3 / max(steps, 1), calls + nc / max(steps, 1)]
+    return {
+        "batch": len(prompts),
+        "steps": steps,
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "ms_per_step": round(wall * 1e3 / max(steps, 1), 2),
+        "tokens_per_step": round(tokens / max(steps, 1), 3),
+        "parts_ms_per_step": {k: round(v[0], 3) for k, v in parts.items()},
+        "calls_per_step": {k: round(v[1], 2) for k, v in parts.items()},
+        "labels": [n for n, _ in step_parts() if n],
+    }
