@@ -59,27 +59,61 @@ def test_shipped_head_path_rejects_unknown_algorithms():
         shipped_head_path("MEDUSA")
 
 
-@pytest.mark.slow
-def test_shipped_eagle3_head_decodes_exactly_with_real_acceptance():
-    """(S, K, N) = (5, 8, 32) at page size 64, float32 so that greedy equality is exact arithmetic."""
-    sp = {"temperature": 0, "max_new_tokens": 128}
+SP = {"temperature": 0, "max_new_tokens": 128}
+
+# None: the default server's configuration (no speculative flags at all); else (algorithm, S, K, N)
+CONFIGS = [None, ("EAGLE3", 5, 8, 32), ("EAGLE", 5, 8, 64)]
+
+
+@pytest.fixture(scope="module")
+def plain_reference() -> tuple[list[int], list[int]]:
     plain_args = ServerArgs(dtype="float32", page_size=64, log_level="warning", speculative_algorithm="NONE")
     with Engine(plain_args) as plain:
         assert plain.avg_spec_accept_length() == 0.0 and not plain.args.speculation
         ids = apply_chat_template(plain.tokenizer, [{"role": "user", "content": heldout_question()}])
-        want = plain.generate(input_ids=ids, sampling_params=sp)["output_ids"]
-    spec_args = ServerArgs(
-        dtype="float32",
-        page_size=64,
-        log_level="warning",
-        speculative_algorithm="EAGLE3",
-        speculative_draft_model_path=shipped_head_path("EAGLE3"),
-        speculative_num_steps=5,
-        speculative_eagle_topk=8,
-        speculative_num_draft_tokens=32,
-    )
-    with Engine(spec_args) as spec:
-        got = spec.generate(input_ids=ids, sampling_params=sp)["output_ids"]
+        return ids, plain.generate(input_ids=ids, sampling_params=SP)["output_ids"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "config", CONFIGS, ids=lambda c: "default" if c is None else "{}-{}-{}-{}".format(*c)
+)
+def test_shipped_head_decodes_exactly_with_real_acceptance(plain_reference, config):
+    """A held-out prompt, greedy, 128 tokens, page size 64; float32 so that greedy equality is exact arithmetic."""
+    ids, want = plain_reference
+    if config is None:
+        args = ServerArgs(dtype="float32", log_level="warning")
+    else:
+        algo, S, K, N = config
+        args = ServerArgs(
+            dtype="float32",
+            page_size=64,
+            log_level="warning",
+            speculative_algorithm=algo,
+            speculative_draft_model_path=shipped_head_path(algo),
+            speculative_num_steps=S,
+            speculative_eagle_topk=K,
+            speculative_num_draft_tokens=N,
+        )
+    with Engine(args) as spec:
+        a = spec.args
+        if (
+            config is None
+        ):  # the default server: EAGLE-3, shipped head, a topk-4 tree on 64-token pages, spec v2
+            got_cfg = (a.speculative_algorithm, a.speculative_num_steps, a.speculative_eagle_topk)
+            assert got_cfg + (a.speculative_num_draft_tokens, a.page_size, a.spec_version) == (
+                "EAGLE3",
+                4,
+                4,
+                16,
+                64,
+                2,
+            )
+            assert a.speculative_draft_model_path == shipped_head_path("EAGLE3")
+        got = spec.generate(input_ids=ids, sampling_params=SP)["output_ids"]
         accept = spec.avg_spec_accept_length()
+        spec.wait_idle()
+        mem = spec.memory_report()
     assert len(want) > 32 and got == want
     assert accept > 1.5, f"average accept length {accept:.2f}"
+    assert mem["used_pages"] == 0 and mem["used_rows"] == 0
