@@ -15,6 +15,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -353,43 +354,52 @@ def main() -> int:
         args.iters = min(args.iters, 3)
 
     timer = Timer(dev, args.iters)
-    rows = []
+    meta = {
+        "device": name,
+        "dtype": str(cfg.dtype),
+        "hq": cfg.hq,
+        "hkv": cfg.hkv,
+        "head_dim": cfg.d,
+        "page_size": cfg.page,
+        "topk": cfg.topk,
+        "copy_GBps_read_plus_write": copy_bw,
+    }
+    rows: list[dict] = []
+    errors: list[str] = []
+
+    def save() -> None:  # after every case: a later crash or timeout keeps the rows measured so far
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"config": meta, "results": rows, "errors": errors}, indent=2))
+
     t_end = time.perf_counter() + args.max_seconds
     for i, make in enumerate(cases):
         if time.perf_counter() > t_end:
             print(f"time budget spent: {len(cases) - i} cases not run", file=sys.stderr)
             break
-        case = make()
-        rows.append(measure(case, timer, copy_bw))
-        del case
+        try:
+            case = make()
+            rows.append(measure(case, timer, copy_bw))
+            print(
+                f"{rows[-1]['kernel']} B={rows[-1]['batch']} L={rows[-1]['kv_len']}: {rows[-1]['triton_us']} us",
+                file=sys.stderr,
+            )
+        except Exception as e:  # one failing kernel must not lose the other cases
+            errors.append(f"case {i}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
+            traceback.print_exc()
+        case = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        print(
-            f"{rows[-1]['kernel']} B={rows[-1]['batch']} L={rows[-1]['kv_len']}: {rows[-1]['triton_us']} us",
-            file=sys.stderr,
-        )
+        save()
     print(markdown(rows))
     if copy_bw:
         print(f"\ndevice-to-device copy: {copy_bw:.0f} GB/s (read + write)")
     bad = [r for r in rows if not r["max_abs_diff_vs_native"] < tol]
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {
-            "device": name,
-            "dtype": str(cfg.dtype),
-            "hq": cfg.hq,
-            "hkv": cfg.hkv,
-            "head_dim": cfg.d,
-            "page_size": cfg.page,
-            "topk": cfg.topk,
-            "copy_GBps_read_plus_write": copy_bw,
-        }
-        out.write_text(json.dumps({"config": meta, "results": rows}, indent=2))
         print(f"wrote {out}")
     if bad:
         print(f"MISMATCH vs torch_native (tol {tol}): {bad}", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if bad or errors else 0
 
 
 if __name__ == "__main__":

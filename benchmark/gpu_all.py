@@ -21,16 +21,18 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+# Fast files first: the kernel file compiles ~100 Triton variants and is the one most likely to hit the limit.
 TESTS = [
-    "test/layers/attention/test_triton_ops.py",
     "test/speculative/test_tail_dup.py",
     "test/speculative/test_spec_triton_backend.py",
+    "test/layers/attention/test_triton_ops.py",
 ]
 
 
@@ -85,7 +87,9 @@ class Budget:
 def run_logged(stage: Stage, cmd: list[str], log: Path, timeout: float) -> int | None:
     """Runs cmd from the repo root, appending its output to log; None when it ran past timeout."""
     env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]),
+        PYTHONUNBUFFERED="1",  # a child killed at its timeout still leaves its progress in the log
     )
     with open(log, "a") as f:
         f.write(f"$ {' '.join(cmd)}\n")
@@ -104,7 +108,9 @@ def run_logged(stage: Stage, cmd: list[str], log: Path, timeout: float) -> int |
 def stage_tests(out: Path, budget: Budget, limit: float) -> Stage:
     st = Stage("pytest")
     log = out / "pytest.log"
-    rc = run_logged(st, [sys.executable, "-m", "pytest", "-q", "-x", *TESTS], log, min(limit, budget.left()))
+    # --maxfail, not -x: one failing test must not hide the other files (a sticky CUDA error ends it fast).
+    cmd = [sys.executable, "-m", "pytest", "-q", "--maxfail=10", "--durations=10", *TESTS]
+    rc = run_logged(st, cmd, log, min(limit, budget.left()))
     tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
     st.detail["last_line"] = tail[0] if tail else ""
     st.status = "timeout" if rc is None else ("ok" if rc == 0 else "failed")
@@ -126,9 +132,10 @@ def stage_bench_attention(out: Path, budget: Budget, limit: float) -> Stage:
     rc = run_logged(st, cmd, out / "benches.log", t)
     st.status = "timeout" if rc is None else ("ok" if rc == 0 else "failed")
     if dst.exists():
-        rows = json.loads(dst.read_text())["results"]
-        st.detail["cases"] = len(rows)
-        st.detail["rows"] = rows
+        data = json.loads(dst.read_text())
+        st.detail["cases"] = len(data["results"])
+        st.detail["rows"] = data["results"]
+        st.detail["errors"] = data.get("errors", [])
     return st
 
 
@@ -227,19 +234,23 @@ def engine_args(s: Shape, smoke: bool, target: str, tok: str, **spec):
 
 
 def measure(engine, s: Shape, batch: int) -> dict:
-    """Warm up (kernel compiles, allocator), then time one batch of greedy ignore_eos requests."""
+    """Warm up, then time one batch of greedy ignore_eos requests.
+
+    The warm-up runs the full length: split counts and page-table widths grow with the sequence, and each new
+    Triton specialization compiles on first use, which must not land in the timed run."""
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, s.vocab, (s.prompt_len,), generator=g).tolist() for _ in range(batch)]
-    engine.generate(
-        input_ids=prompts, sampling_params={"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-    )
+    sp = {"max_new_tokens": s.new_tokens, "temperature": 0.0, "ignore_eos": True}
+    engine.generate(input_ids=prompts, sampling_params=sp)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    sp = {"max_new_tokens": s.new_tokens, "temperature": 0.0, "ignore_eos": True}
     t0 = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=sp)
     dt = time.perf_counter() - t0
     n = sum(len(o["output_ids"]) for o in outs)
+    if n != batch * s.new_tokens:  # a failed scheduler step aborts its requests instead of raising
+        reasons = sorted({str(o["meta_info"]["finish_reason"]) for o in outs})
+        raise RuntimeError(f"{n} of {batch * s.new_tokens} tokens generated; finish reasons {reasons}")
     return {"batch": batch, "output_tokens": n, "seconds": round(dt, 4), "tok_per_s": round(n / dt, 2)}
 
 
@@ -259,10 +270,13 @@ def e2e_cases(s: Shape, draft: str) -> list[tuple[str, dict]]:
     return cases
 
 
-def stage_e2e(s: Shape, smoke: bool, budget: Budget, reserve: float) -> Stage:
+def stage_e2e(
+    s: Shape, smoke: bool, budget: Budget, reserve: float, on_row: Callable[[Stage], None]
+) -> Stage:
+    """Every case in this process, one engine at a time; on_row(stage) runs after each row (partial saves)."""
     from treepage.entrypoints.engine import Engine
 
-    st = Stage("e2e")
+    st = Stage("e2e", "running")
     rows: list[dict] = []
     st.detail["rows"] = rows
     base: dict[int, float] = {}
@@ -272,6 +286,7 @@ def stage_e2e(s: Shape, smoke: bool, budget: Budget, reserve: float) -> Stage:
         for name, spec in e2e_cases(s, draft):
             if budget.left() - reserve < 1.2 * last_case_s:
                 rows.append({"case": name, "status": f"skipped: {budget.left():.0f}s left"})
+                on_row(st)
                 continue
             t0 = time.perf_counter()
             engine = None
@@ -286,9 +301,11 @@ def stage_e2e(s: Shape, smoke: bool, budget: Budget, reserve: float) -> Stage:
                     else:
                         base[B] = r["tok_per_s"]
                     rows.append(r)
+                    on_row(st)
             except Exception as e:  # one broken config must not hide the others' numbers
                 rows.append({"case": name, "status": f"failed: {type(e).__name__}: {e}"})
                 traceback.print_exc()
+                on_row(st)
             finally:
                 if engine is not None:
                     engine.shutdown()
@@ -305,14 +322,19 @@ def stage_e2e(s: Shape, smoke: bool, budget: Budget, reserve: float) -> Stage:
 
 # ---- stage 4: summary -----------------------------------------------------------------------------------------
 def environment() -> dict:
-    import triton
+    """Read from package metadata: importing triton here, before the kernels pick interpreter or GPU, is avoided."""
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        triton_version = version("triton")
+    except PackageNotFoundError:
+        triton_version = None
     cuda = torch.cuda.is_available()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
-        "triton": triton.__version__,
+        "triton": triton_version,
         "cuda": torch.version.cuda,
     }
 
@@ -349,6 +371,15 @@ def markdown(env: dict, stages: list[Stage]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_summary(out: Path, env: dict, smoke: bool, shape: Shape, stages: list[Stage]) -> str:
+    """summary.json and summary.md; rewritten after every stage (and e2e row), so a killed run keeps its results."""
+    summary = {"env": env, "smoke": smoke, "shape": asdict(shape), "stages": [asdict(s) for s in stages]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    md = markdown(env, stages)
+    (out / "summary.md").write_text(md)
+    return md
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="output folder (at most 6 files, no subfolders)")
@@ -362,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget(a.budget_s or (55.0 if smoke else 560.0))
     reserve = 5.0  # summary writing
     shape = TINY if smoke else LLAMA3_8B
+    env = environment()
     stages: list[Stage] = []
     # (stage, own limit in seconds); e2e takes whatever is left.
     plan = [("pytest", stage_tests, 150.0), ("bench_attention", stage_bench_attention, 90.0)]
@@ -376,19 +408,16 @@ def main(argv: list[str] | None = None) -> int:
             st = fn(a.out, budget, min(limit, budget.left() - reserve))
         st.seconds = time.monotonic() - t0
         stages.append(st)
+        write_summary(a.out, env, smoke, shape, stages)
         print(f"[gpu_all] {name}: {st.status} ({st.seconds:.0f}s)", file=sys.stderr, flush=True)
     t0 = time.monotonic()
-    st = stage_e2e(shape, smoke, budget, reserve)
+    st = stage_e2e(
+        shape, smoke, budget, reserve, lambda part: write_summary(a.out, env, smoke, shape, [*stages, part])
+    )
     st.seconds = time.monotonic() - t0
     stages.append(st)
     print(f"[gpu_all] e2e: {st.status} ({st.seconds:.0f}s)", file=sys.stderr, flush=True)
-
-    env = environment()
-    summary = {"env": env, "smoke": smoke, "shape": asdict(shape), "stages": [asdict(s) for s in stages]}
-    (a.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    md = markdown(env, stages)
-    (a.out / "summary.md").write_text(md)
-    print(md)
+    print(write_summary(a.out, env, smoke, shape, stages))
     return 0 if all(s.status == "ok" or s.status.startswith("skipped") for s in stages) else 1
 
 

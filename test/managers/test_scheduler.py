@@ -44,7 +44,7 @@ def assert_idle_and_empty(engine: Engine) -> None:
     engine.wait_idle()
     mem = engine.memory_report()
     assert (mem["used_pages"], mem["used_rows"]) == (0, 0), mem
-    engine.scheduler.check_memory(idle=True)
+    engine.scheduler.check_memory()
 
 
 def ids_of(outs: list[dict]) -> list[list[int]]:

@@ -123,3 +123,17 @@ def test_grow_row_keeps_slot_mod_page(page_size, num_pages, ops):
         free_row(pool, a, r, 0, lens[r])
     a.check_leak(0)
     assert a.num_free_pages() == num_pages
+
+
+def test_cheap_check_catches_held_pages_and_full_check_catches_corruption():
+    a = PagedAllocator(num_pages=4, page_size=2)
+    p = a.alloc_pages(2)
+    with pytest.raises(MemoryLeakError, match="2 pages in use"):
+        a.check_leak(full=False)  # the O(1) idle check still sees pages nobody holds
+    a.check_leak(expected_used=2, full=False)
+    a.free_pages(p)
+    a._free.append(a._free[0])  # corrupt the free list: a page listed twice
+    a._free.pop(1)
+    a.check_leak(full=False)  # counts still add up, so only the structural scan can tell
+    with pytest.raises(MemoryLeakError, match="duplicates in free list: 1"):
+        a.check_leak()

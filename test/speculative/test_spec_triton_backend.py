@@ -12,6 +12,10 @@ from treepage.server_args import ServerArgs
 
 SP = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
 PROMPTS = [[5 + (i * 7) % 100 for i in range(n)] for n in (15, 16, 17)]
+# A fixed pool: on a GPU it would otherwise be sized from free memory (~10^8 one-token pages for this tiny model,
+# a host free list the idle leak check walks every step), and the next engine would see the cached blocks of
+# the previous one as used.
+POOL = 16384
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +23,7 @@ def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("triton_spec")
     target = make_sharp_target(str(root / "target"), num_layers=2)
     draft = make_perturbed_copy(target, str(root / "draft"), noise=0.02)
-    plain = Engine(ServerArgs(model_path=target, dtype="float32", page_size=1))
+    plain = Engine(ServerArgs(model_path=target, dtype="float32", page_size=1, max_total_tokens=POOL))
     try:
         ref = [o["output_ids"] for o in plain.generate(input_ids=PROMPTS, sampling_params=SP)]
     finally:
@@ -44,6 +48,7 @@ def test_triton_backend_greedy_equivalence(ckpts, page, topk, version):
             speculative_eagle_topk=topk,
             speculative_num_draft_tokens=n,
             disable_overlap_schedule=version == 1,
+            max_total_tokens=POOL,
         )
     )
     try:

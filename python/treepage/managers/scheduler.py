@@ -106,7 +106,7 @@ class Scheduler:
         else:
             self.worker.idle()
             if not self.waiting:
-                self.check_memory(idle=True)
+                self.check_memory(full=self.strict)
             return False
         if self.strict:
             self.check_memory()
@@ -350,10 +350,11 @@ class Scheduler:
         self._deliver(r)
 
     # ---- accounting ---------------------------------------------------------------------------------------------
-    def check_memory(self, idle: bool = False) -> None:
-        """Leak check: pages in use == pages held by resident requests (zero when idle)."""
+    def check_memory(self, full: bool = True) -> None:
+        """Leak check: pages in use == pages held by resident requests (zero when idle). Always on when idle
+        (O(1) unless full); full structural checks after every step under TREEPAGE_STRICT_MEM_CHECK=1."""
         held = sum(self._pages_for(r.allocated_len) for r in self.running) + self.worker.extra_pages_held()
-        self.allocator.check_leak(expected_used=held)
+        self.allocator.check_leak(expected_used=held, full=full)
         self.req_pool.check_leak(expected_used=len(self.running) + self.worker.extra_rows_held())
 
     def _update_stats(self) -> None:
