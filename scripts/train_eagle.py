@@ -544,7 +544,7 @@ def main(argv: list[str] | None = None) -> dict:
         step += 1
         history["train"].append((step, float(loss.detach()), accs))
         bar.update(1)
-        bar.set_postfix(loss=f"{float(loss):.3f}", acc0=f"{accs[0]:.2f}", accL=f"{accs[-1]:.2f}")
+        bar.set_postfix(loss=f"{history['train'][-1][1]:.3f}", acc0=f"{accs[0]:.2f}", accL=f"{accs[-1]:.2f}")
         if step % args.eval_every == 0 or step == args.steps:
             history["eval"].append({"step": step, **evaluate(head, held, hot, w_hot, args, device)})
             tqdm.write(f"step {step}: held-out {history['eval'][-1]}")
