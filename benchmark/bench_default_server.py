@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE.parent / "test"))
 import httpx  # noqa: E402
 import openai  # noqa: E402
 from common import ensure_passive_omp, machine_info, machine_line, print_table, write_results  # noqa: E402
-from make_eagle_data import build_prompts  # noqa: E402
+from make_eagle_data import heldout_questions  # noqa: E402
 
 from server_utils import launch_server  # noqa: E402
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     ensure_passive_omp()
 
-    questions = [p.prompt for p in build_prompts(0, args.num_prompts, heldout_frac=0.1, seed=0)]
+    questions = heldout_questions(args.num_prompts)
     results: dict = {"machine": machine_info(), "args": vars(args), "questions": questions, "runs": {}}
     with ExitStack() as stack, tempfile.TemporaryDirectory() as logs:
         urls = {

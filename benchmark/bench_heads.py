@@ -32,7 +32,7 @@ from common import (  # noqa: E402
     run_requests,
     write_results,
 )
-from make_eagle_data import build_prompts  # noqa: E402
+from make_eagle_data import heldout_questions  # noqa: E402
 
 from treepage.arg_groups.speculative import DEFAULT_SERVER_TREE  # noqa: E402
 from treepage.entrypoints.engine import Engine  # noqa: E402
@@ -66,10 +66,6 @@ def head_digests(args) -> dict[str, str]:
     return out
 
 
-def heldout_questions(n: int) -> list[str]:
-    return [p.prompt for p in build_prompts(0, n, heldout_frac=0.1, seed=0)]
-
-
 def measure(engine: Engine, prompts: list[list[int]], batch_size: int, max_new: int) -> dict:
     """Decode all prompts in groups of batch_size (each group submitted together)."""
     dbg = getattr(engine.worker, "debug", None)
@@ -94,9 +90,7 @@ def measure(engine: Engine, prompts: list[list[int]], batch_size: int, max_new: 
 def engine_args(args, spec: tuple[str, int, int, int] | None, **extra) -> ServerArgs:
     kw: dict = {"dtype": args.dtype, "page_size": args.page_size, "log_level": "warning"}
     if spec is None:
-        kw["speculative_algorithm"] = (
-            "NONE"  # the default model would otherwise speculate with its shipped head
-        )
+        kw["speculative_algorithm"] = "NONE"  # the default model would otherwise speculate with its head
     else:
         algo, S, K, N = spec
         kw.update(

@@ -229,9 +229,9 @@ def machine_line(info: dict[str, Any]) -> str:
     )
 
 
-def step_parts() -> list[tuple[str, Callable]]:
-    """The parts of a decode step or a speculative round, as (label, function); indented labels are inside the
-    ones above them. Times are cumulative (a function's callees included)."""
+def step_parts() -> list[tuple[str, tuple[Callable, ...]]]:
+    """The parts of a decode step or a speculative round: (label, the functions whose time it sums). Indented
+    labels are inside the ones above them; times are cumulative (a function's callees included)."""
     from treepage.managers.scheduler import Scheduler
     from treepage.mem_cache.memory_pool import KVPool
     from treepage.model_executor.model_runner import ModelRunner
@@ -242,24 +242,29 @@ def step_parts() -> list[tuple[str, Callable]]:
     from treepage.speculative.eagle_worker import EagleWorker
 
     return [
-        ("scheduler step (everything)", Scheduler.step),
-        ("  reserve KV (prepare_for_decode)", Scheduler._prepare_for_decode),
-        ("  speculative round (EagleWorker.run_round)", EagleWorker.run_round),
-        ("    target forward: decode, or verify of N tree tokens (ModelRunner.forward)", ModelRunner.forward),
+        ("scheduler step (everything)", (Scheduler.step,)),
+        ("  reserve KV (prepare_for_decode)", (Scheduler._prepare_for_decode,)),
+        ("  speculative round (EagleWorker.run_round)", (EagleWorker.run_round,)),
+        (
+            "    target forward: decode, or verify of N tree tokens (ModelRunner.forward)",
+            (ModelRunner.forward,),
+        ),
         (
             "    draft head forwards: tree steps + extend (EAGLE-3 / EAGLE layers)",
-            LlamaForCausalLMEagle3.forward,
+            (LlamaForCausalLMEagle3.forward, LlamaForCausalLMEagle.forward),
         ),
-        ("", LlamaForCausalLMEagle.forward),  # "" adds to the row above
-        ("    draft lm_head + softmax + top-K (tree steps + extend)", EagleWorker._draft_logits_topk),
-        ("    draft extend over the accepted tokens (its forward + lm_head)", EagleWorker._draft_extend),
-        ("    prefix-tail duplication (holey layout)", eagle_info_v2.duplicate_prefix_tail_to_draft_branches),
-        ("    draft slot computation (draft_layout)", draft_layout.draft_out_cache_loc),
-        ("    lane regather (K > 1)", EagleWorker._regather_lanes),
-        ("    build_tree", eagle_tree.build_tree),
-        ("    greedy tree verify", eagle_verify.verify_tree_greedy),
-        ("    move_kv_cache (accepted KV, regather, tail dup)", KVPool.move_kv_cache),
-        ("  all Llama forwards (target; a STANDALONE draft too)", LlamaForCausalLM.forward),
+        ("    draft lm_head + softmax + top-K (tree steps + extend)", (EagleWorker._draft_logits_topk,)),
+        ("    draft extend over the accepted tokens (its forward + lm_head)", (EagleWorker._draft_extend,)),
+        (
+            "    prefix-tail duplication (holey layout)",
+            (eagle_info_v2.duplicate_prefix_tail_to_draft_branches,),
+        ),
+        ("    draft slot computation (draft_layout)", (draft_layout.draft_out_cache_loc,)),
+        ("    lane regather (K > 1)", (EagleWorker._regather_lanes,)),
+        ("    build_tree", (eagle_tree.build_tree,)),
+        ("    greedy tree verify", (eagle_verify.verify_tree_greedy,)),
+        ("    move_kv_cache (accepted KV, regather, tail dup)", (KVPool.move_kv_cache,)),
+        ("  all Llama forwards (target; a STANDALONE draft too)", (LlamaForCausalLM.forward,)),
     ]
 
 
@@ -293,23 +298,23 @@ def profile_decode(engine, prompts: Sequence[list[int]], new_tokens: int) -> dic
     wall = time.perf_counter() - t0
     tokens = sum(len(r.output_ids) for r in reqs) - tokens0
     stats = pstats.Stats(pr).stats
-    parts: dict[str, list[float]] = {}
-    label = ""
-    for name, fn in step_parts():
-        label = name or label
-        code = inspect.unwrap(fn).__code__
-        key = (code.co_filename, code.co_firstlineno, code.co_name)
-        cc, nc, tt, ct, _ = stats.get(key, (0, 0, 0.0, 0.0, None))
-        ms, calls = parts.get(label.strip(), [0.0, 0.0])
-        parts[label.strip()] = [ms + ct * 1e3 / max(steps, 1), calls + nc / max(steps, 1)]
+    per = max(steps, 1)
+    parts = step_parts()
+    ms: dict[str, float] = {}
+    calls: dict[str, float] = {}
+    for label, fns in parts:
+        codes = [inspect.unwrap(fn).__code__ for fn in fns]
+        hits = [stats.get((c.co_filename, c.co_firstlineno, c.co_name), (0, 0, 0.0, 0.0)) for c in codes]
+        ms[label.strip()] = round(sum(h[3] for h in hits) * 1e3 / per, 3)
+        calls[label.strip()] = round(sum(h[1] for h in hits) / per, 2)
     return {
         "batch": len(prompts),
         "steps": steps,
         "tokens": tokens,
         "wall_s": round(wall, 3),
-        "ms_per_step": round(wall * 1e3 / max(steps, 1), 2),
-        "tokens_per_step": round(tokens / max(steps, 1), 3),
-        "parts_ms_per_step": {k: round(v[0], 3) for k, v in parts.items()},
-        "calls_per_step": {k: round(v[1], 2) for k, v in parts.items()},
-        "labels": [n for n, _ in step_parts() if n],
+        "ms_per_step": round(wall * 1e3 / per, 2),
+        "tokens_per_step": round(tokens / per, 3),
+        "parts_ms_per_step": ms,
+        "calls_per_step": calls,
+        "labels": [label for label, _ in parts],
     }

@@ -37,6 +37,8 @@ PYTHON_TEMPLATES = [
     "How does {topic} work in Python? Answer briefly.",
     "Summarize the Python documentation about {topic}.",
 ]
+HELDOUT_FRAC = 0.1  # share of topics kept out of training
+SEED = 0
 PAIR_TEMPLATE = "What is the difference between {a} and {b} in Python?"
 CHAT_TEMPLATES = [
     "Tell me about {topic}.",
@@ -106,6 +108,11 @@ def build_prompts(num_train: int, num_heldout: int, heldout_frac: float, seed: i
     return out
 
 
+def heldout_questions(n: int) -> list[str]:
+    """The first n held-out prompts of the default data set: topics the shipped heads never saw."""
+    return [p.prompt for p in build_prompts(0, n, HELDOUT_FRAC, SEED)]
+
+
 def done_ids(path: str) -> set[str]:
     if not os.path.exists(path):
         return set()
@@ -138,12 +145,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model-path", default=None, help="target checkpoint (default: the embedded SmolLM2)")
     ap.add_argument("--num-train", type=int, default=1280)
     ap.add_argument("--num-heldout", type=int, default=64)
-    ap.add_argument("--heldout-frac", type=float, default=0.1, help="share of topics kept out of training")
+    ap.add_argument(
+        "--heldout-frac", type=float, default=HELDOUT_FRAC, help="share of topics kept out of training"
+    )
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=SEED)
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)

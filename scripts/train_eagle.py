@@ -410,7 +410,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--algorithm", choices=("EAGLE3", "EAGLE"), required=True)
     ap.add_argument("--data", default="build/eagle")
-    ap.add_argument("--work", default=None, help="features cache and checkpoints (default: DATA/work)")
+    ap.add_argument("--work", default=None, help="features cache, checkpoints (default: under --data)")
     ap.add_argument("--out", default=None, help="head directory (default: the package's shipped head)")
     ap.add_argument("--loss-png", default=None)
     ap.add_argument("--model-path", default=None, help="target (default: the embedded SmolLM2 GGUF)")
@@ -542,9 +542,10 @@ def main(argv: list[str] | None = None) -> dict:
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         opt.step()
         step += 1
-        history["train"].append((step, float(loss.detach()), accs))
+        loss_value = float(loss.detach())
+        history["train"].append((step, loss_value, accs))
         bar.update(1)
-        bar.set_postfix(loss=f"{history['train'][-1][1]:.3f}", acc0=f"{accs[0]:.2f}", accL=f"{accs[-1]:.2f}")
+        bar.set_postfix(loss=f"{loss_value:.3f}", acc0=f"{accs[0]:.2f}", accL=f"{accs[-1]:.2f}")
         if step % args.eval_every == 0 or step == args.steps:
             history["eval"].append({"step": step, **evaluate(head, held, hot, w_hot, args, device)})
             tqdm.write(f"step {step}: held-out {history['eval'][-1]}")

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import pathlib
-import sys
 
 import pytest
 import torch
+from make_eagle_data import heldout_questions
 from safetensors.torch import load_file
 
 from treepage.entrypoints.engine import Engine
@@ -16,17 +14,6 @@ from treepage.managers.tokenizer import apply_chat_template
 from treepage.models.loader import default_model_path, load_config
 from treepage.models.shipped_heads import SHIPPED_HEADS, shipped_head_path
 from treepage.server_args import ServerArgs
-
-_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "make_eagle_data.py"
-
-
-def heldout_question() -> str:
-    """The first held-out prompt of the training-data generator: its topic never appears in training."""
-    spec = importlib.util.spec_from_file_location("make_eagle_data", _SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["make_eagle_data"] = mod
-    spec.loader.exec_module(mod)
-    return mod.build_prompts(0, 1, heldout_frac=0.1, seed=0)[0].prompt
 
 
 @pytest.mark.parametrize("algorithm", sorted(SHIPPED_HEADS))
@@ -70,7 +57,7 @@ def plain_reference() -> tuple[list[int], list[int]]:
     plain_args = ServerArgs(dtype="float32", page_size=64, log_level="warning", speculative_algorithm="NONE")
     with Engine(plain_args) as plain:
         assert plain.avg_spec_accept_length() == 0.0 and not plain.args.speculation
-        ids = apply_chat_template(plain.tokenizer, [{"role": "user", "content": heldout_question()}])
+        ids = apply_chat_template(plain.tokenizer, [{"role": "user", "content": heldout_questions(1)[0]}])
         return ids, plain.generate(input_ids=ids, sampling_params=SP)["output_ids"]
 
 

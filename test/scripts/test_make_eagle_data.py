@@ -3,20 +3,13 @@ greedy tokens (never a speculative run's, which would tie the data to the head i
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-import sys
+
+import make_eagle_data as med
 
 from treepage.arg_groups.speculative import apply_default_server_speculation
 from treepage.entrypoints.engine import Engine
 from treepage.server_args import ServerArgs
-
-_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "make_eagle_data.py"
-_spec = importlib.util.spec_from_file_location("make_eagle_data", _SCRIPT)
-med = importlib.util.module_from_spec(_spec)
-sys.modules["make_eagle_data"] = med  # dataclasses look their module up
-_spec.loader.exec_module(med)
 
 
 def topics_of(p) -> set[str]:

@@ -3,13 +3,12 @@ and a run resumes bit-exactly into a head the engine's loader accepts."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
-import sys
 
 import pytest
 import torch
+import train_eagle as te
 from safetensors.torch import load_file
 
 from treepage.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -21,12 +20,6 @@ from treepage.models.llama import LlamaForCausalLM
 from treepage.models.llama_eagle import LlamaForCausalLMEagle
 from treepage.models.llama_eagle3 import LlamaForCausalLMEagle3
 from treepage.models.loader import load_config, load_state_dict, load_weights_into
-
-_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "train_eagle.py"
-_spec = importlib.util.spec_from_file_location("train_eagle", _SCRIPT)
-te = importlib.util.module_from_spec(_spec)
-sys.modules["train_eagle"] = te  # dataclasses look their module up
-_spec.loader.exec_module(te)
 
 MAX_POS = 64
 

@@ -351,11 +351,11 @@ class Scheduler:
 
     # ---- accounting ---------------------------------------------------------------------------------------------
     def check_memory(self, full: bool = True) -> None:
-        """Leak check: pages in use == pages held by resident requests (zero when idle). Always on when idle
-        (O(1) unless full); full structural checks after every step under TREEPAGE_STRICT_MEM_CHECK=1."""
+        """Pages and rows in use == those held by resident requests (zero when idle). Runs on every idle tick
+        (O(1)); the full structural scan runs there and after every step under TREEPAGE_STRICT_MEM_CHECK=1."""
         held = sum(self._pages_for(r.allocated_len) for r in self.running) + self.worker.extra_pages_held()
         self.allocator.check_leak(expected_used=held, full=full)
-        self.req_pool.check_leak(expected_used=len(self.running) + self.worker.extra_rows_held())
+        self.req_pool.check_leak(expected_used=len(self.running) + self.worker.extra_rows_held(), full=full)
 
     def _update_stats(self) -> None:
         now = time.monotonic()

@@ -39,10 +39,11 @@ class ReqToTokenPool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def check_leak(self, expected_used: int = 0) -> None:
-        in_use = sum(self._in_use)
-        if in_use + len(self._free) != self.size:
-            raise MemoryLeakError(f"row accounting broken: free={len(self._free)} in_use={in_use}")
+    def check_leak(self, expected_used: int = 0, full: bool = True) -> None:
+        """Rows in use must equal expected_used (O(1)); full=True also recounts the in-use flags."""
+        in_use = self.size - len(self._free)
+        if full and sum(self._in_use) != in_use:
+            raise MemoryLeakError(f"row accounting broken: free={len(self._free)} in_use={sum(self._in_use)}")
         if in_use != expected_used:
             raise MemoryLeakError(f"{in_use} rows in use, expected {expected_used}")
 
