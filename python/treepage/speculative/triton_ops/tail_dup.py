@@ -9,6 +9,7 @@ the same width), so it is exact for every dtype, bf16 included, also under TRITO
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import triton
@@ -64,6 +65,22 @@ def _tail_dup_kernel(
         tl.store(dst_ptr + d[None, :], x, mask=m)
 
 
+def tail_dup_bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype the pool is viewed as: a raw-bits copy is exact for every float dtype."""
+    return _INT_VIEW[dtype.itemsize]
+
+
+def tail_dup_launch_params(page_size: int, slot_elems: int) -> dict[str, Any]:
+    """Constexprs and num_warps of _tail_dup_kernel, shared by the launch and the native-compile check.
+
+    Tiles of BLOCK_J in-page offsets x BLOCK_D slot elements, at most 4096 elements (num_warps is Triton's
+    default, spelled out for the check).
+    """
+    block_j = min(16, triton.next_power_of_2(page_size - 1))
+    block_d = min(triton.next_power_of_2(slot_elems), max(16, 4096 // block_j))
+    return dict(PAGE_SIZE=page_size, BLOCK_J=block_j, BLOCK_D=block_d, num_warps=4)
+
+
 def tail_dup_triton(
     kv_data: torch.Tensor, req_to_token: torch.Tensor, rows: torch.Tensor, layout: DraftLayout
 ) -> None:
@@ -78,10 +95,9 @@ def tail_dup_triton(
     assert kv_data.is_contiguous() and req_to_token.stride(1) == 1
     two, num_layers, num_slots = kv_data.shape[:3]
     slot_elems = kv_data[0, 0, 0].numel()
-    bits = kv_data.view(_INT_VIEW[kv_data.element_size()])
-    block_j = min(16, triton.next_power_of_2(P - 1))
-    block_d = min(triton.next_power_of_2(slot_elems), max(16, 4096 // block_j))
-    num_j_blocks = triton.cdiv(P - 1, block_j)
+    bits = kv_data.view(tail_dup_bits_dtype(kv_data.dtype))
+    params = tail_dup_launch_params(P, slot_elems)
+    num_j_blocks = triton.cdiv(P - 1, params["BLOCK_J"])
     grid = (B * (K - 1) * num_j_blocks, two * num_layers)
     _tail_dup_kernel[grid](
         bits,
@@ -95,7 +111,5 @@ def tail_dup_triton(
         slot_elems,
         K - 1,
         num_j_blocks,
-        PAGE_SIZE=P,
-        BLOCK_J=block_j,
-        BLOCK_D=block_d,
+        **params,
     )

@@ -63,12 +63,12 @@ def check_table_width(table: torch.Tensor, lens: torch.Tensor, page_size: int, n
         )
 
 
-def dot_precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype, native: bool) -> str:
     """fp32 inputs must not be rounded to tf32 on the GPU (the fp32 path is the exact reference).
 
     Under the interpreter the kernels upcast q/k/v to fp32 (its bf16 arithmetic is wrong), so always ieee.
     """
-    return "ieee" if dtype == torch.float32 or interpreting() else "tf32"
+    return "ieee" if dtype == torch.float32 or not native else "tf32"
 
 
 def next_pow2(x: int) -> int:
@@ -77,3 +77,11 @@ def next_pow2(x: int) -> int:
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def native_launch(device: torch.device) -> bool:
+    """Compiled GPU launch (vs the interpreter, which also serves CPU tensors): selects tiles and precision.
+
+    The launch-parameter functions take this as `native`, so a tool can ask for the GPU choice on any host.
+    """
+    return device.type == "cuda" and not interpreting()

@@ -8,6 +8,7 @@ KV tile is loaded once for QPB * GROUP score rows. Partials are fp32 with the ls
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
@@ -19,7 +20,7 @@ from treepage.layers.attention.triton_ops import (
     check_qkv,
     check_table_width,
     dot_precision,
-    interpreting,
+    native_launch,
     next_pow2,
 )
 
@@ -181,15 +182,51 @@ def default_num_splits(num_programs: int, max_len: int, device: torch.device) ->
     """Enough kv splits to fill the GPU; chunks of at least 256 tokens so the merge stays cheap."""
     if max_len <= 0:
         return 1
-    if device.type != "cuda" or interpreting():
+    if not native_launch(device):
         return max(1, min(2, triton.cdiv(max_len, 1024)))
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     want = triton.cdiv(2 * sms, max(1, num_programs))
     return max(1, min(want, triton.cdiv(max_len, 256), 32))
 
 
-def decode_block_n(device: torch.device) -> int:
-    return 32 if interpreting() or device.type != "cuda" else 64
+def decode_block_n(native: bool) -> int:
+    return 64 if native else 32
+
+
+def decode_launch_params(
+    queries_per_seq: int,
+    group: int,
+    page_size: int,
+    d: int,
+    dtype: torch.dtype,
+    native: bool,
+    block_n: int | None = None,
+) -> dict[str, Any]:
+    """Constexprs and num_warps of _decode_partial_kernel, shared by the launch and the native-compile check.
+
+    native=True gives the compiled-GPU choice on any host (native_compile.py builds GPU variants on a CPU).
+    """
+    block_r = max(16, next_pow2(queries_per_seq * group))
+    if block_n is None:
+        # fp32 with a q tile this large needs up to 213 KB of shared memory at BLOCK_N 64 (A100: 163 KB)
+        wide_fp32 = dtype == torch.float32 and block_r * d >= 64 * 128
+        block_n = 32 if native and wide_fp32 else decode_block_n(native)
+    return dict(
+        QPB=queries_per_seq,
+        GROUP=group,
+        PAGE=page_size,
+        D=d,
+        BLOCK_R=block_r,
+        BLOCK_N=block_n,
+        PREC=dot_precision(dtype, native),
+        UPCAST=not native,
+        num_warps=4 if block_r * d <= 64 * 128 else 8,
+    )
+
+
+def merge_launch_params(num_splits: int, d: int) -> dict[str, Any]:
+    """Constexprs and num_warps of _merge_kernel (num_warps is Triton's default, spelled out for the check)."""
+    return dict(D=d, BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4)
 
 
 def new_partials(num_rows: int, hq: int, num_splits: int, d: int, device: torch.device):
@@ -236,8 +273,9 @@ def decode_partial(
         return
     if table.shape[1] == 0:  # nothing to read (e.g. no shared prefix); keep a valid pointer for the launch
         table = torch.zeros(n_seq, 1, dtype=torch.int32, device=q.device)
-    block_n = block_n or decode_block_n(q.device)
-    block_r = max(16, next_pow2(queries_per_seq * group))
+    params = decode_launch_params(
+        queries_per_seq, group, page_size, d, q.dtype, native_launch(q.device), block_n
+    )
     grid = (n_seq, hkv, num_splits)
     _decode_partial_kernel[grid](
         q,
@@ -262,15 +300,7 @@ def decode_partial(
         sm_scale * LOG2E,
         num_splits,
         split_offset,
-        QPB=queries_per_seq,
-        GROUP=group,
-        PAGE=page_size,
-        D=d,
-        BLOCK_R=block_r,
-        BLOCK_N=block_n,
-        PREC=dot_precision(q.dtype),
-        UPCAST=interpreting(),
-        num_warps=4 if block_r * d <= 64 * 128 else 8,
+        **params,
     )
 
 
@@ -291,8 +321,7 @@ def merge_partials(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tens
         out.stride(0),
         out.stride(1),
         n_splits,
-        D=d,
-        BLOCK_S=max(2, next_pow2(n_splits)),
+        **merge_launch_params(n_splits, d),
     )
     return out
 

@@ -7,6 +7,8 @@ the cache. One program per (query block, request, q head): a prefix loop without
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -17,7 +19,7 @@ from treepage.layers.attention.triton_ops import (
     check_qkv,
     check_table_width,
     dot_precision,
-    interpreting,
+    native_launch,
 )
 from treepage.layers.attention.triton_ops.decode_attention import load_kv_tile, online_softmax_step
 
@@ -111,13 +113,41 @@ def _extend_kernel(
     tl.store(o_ptr, out.to(O.dtype.element_ty), mask=j_ok[:, None])
 
 
-def extend_blocks(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
+def extend_blocks(d: int, dtype: torch.dtype, native: bool) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): smaller tiles for big heads and fp32 so shared memory fits."""
-    if interpreting() or device.type != "cuda":
+    if not native:
         return 16, 32, 4
     if d >= 256 or dtype == torch.float32:
         return 32, 32, 4
     return 64, 64, 4 if d <= 64 else 8
+
+
+def extend_launch_params(
+    group: int,
+    page_size: int,
+    d: int,
+    dtype: torch.dtype,
+    custom_mask: bool,
+    native: bool,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> dict[str, Any]:
+    """Constexprs and num_warps of _extend_kernel, shared by the launch and the native-compile check.
+
+    native=True gives the compiled-GPU choice on any host (native_compile.py builds GPU variants on a CPU).
+    """
+    bm, bn, warps = extend_blocks(d, dtype, native)
+    return dict(
+        GROUP=group,
+        PAGE=page_size,
+        D=d,
+        BLOCK_M=block_m or bm,
+        BLOCK_N=block_n or bn,
+        CUSTOM_MASK=custom_mask,
+        PREC=dot_precision(dtype, native),
+        UPCAST=not native,
+        num_warps=warps,
+    )
 
 
 def paged_extend(
@@ -164,9 +194,10 @@ def paged_extend(
     out = torch.empty_like(q)
     if bsz == 0 or max_q_len == 0:
         return out
-    bm, bn, warps = extend_blocks(d, q.dtype, q.device)
-    block_m, block_n = block_m or bm, block_n or bn
-    grid = (triton.cdiv(max_q_len, block_m), bsz, hq)
+    params = extend_launch_params(
+        hq // hkv, page_size, d, q.dtype, custom_mask is not None, native_launch(q.device), block_m, block_n
+    )
+    grid = (triton.cdiv(max_q_len, params["BLOCK_M"]), bsz, hq)
     _extend_kernel[grid](
         q,
         k_cache,
@@ -187,14 +218,6 @@ def paged_extend(
         out.stride(1),
         page_table.stride(0),
         sm_scale * LOG2E,
-        GROUP=hq // hkv,
-        PAGE=page_size,
-        D=d,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        CUSTOM_MASK=custom_mask is not None,
-        PREC=dot_precision(q.dtype),
-        UPCAST=interpreting(),
-        num_warps=warps,
+        **params,
     )
     return out
