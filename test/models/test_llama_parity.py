@@ -101,6 +101,8 @@ def runner_logits(engine: Engine, ids: list[int], n_decode: int = 3) -> torch.Te
 
 
 def check_parity(engine: Engine, hf: torch.nn.Module, ids: list[int], atol: float = 1e-3) -> None:
+    layer = engine.scheduler.worker.runner.model.model.layers[0]
+    assert layer.self_attn.qkv is not None and layer.mlp.gate_up is not None  # the fused projections serve
     # Greedy first, while the scheduler runs; then stop it and drive the runner by hand.
     out = engine.generate(input_ids=ids, sampling_params=GREEDY)
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": NEW_TOKENS}

@@ -94,6 +94,9 @@ class ModelRunner:
             if hasattr(m, "cos") and hasattr(m, "sin"):
                 m.cos, m.sin = m.cos.float(), m.sin.float()
         self.model.eval()
+        for m in self.model.modules():  # after the last .to(): the fused weights are plain attributes
+            if hasattr(m, "fuse_projections"):
+                m.fuse_projections()
         logger.info("loaded %s (%s) in %.1fs", model_path, self.config.architecture, time.perf_counter() - t0)
         self.pools = pools or self._init_pools(context_len, draft_bytes_per_token)
         alloc = self.pools.allocator

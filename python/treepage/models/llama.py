@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treepage.layers.linear import fuse_linears
 from treepage.layers.norm import RMSNorm
 from treepage.layers.rope import RotaryEmbedding
 from treepage.model_executor.forward_batch import CaptureHidden, ForwardBatch
@@ -30,12 +31,22 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.scaling = self.head_dim**-0.5
         self.rope = rope
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections(), for inference
+
+    def fuse_projections(self) -> None:
+        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = F.linear(x, *self.qkv).split(
+                [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1
+            )
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = self.rope(positions, q, k)
         o = fb.attn_backend.forward(q, k, v, self.layer_id, self.scaling, fb)
         return self.o_proj(o.reshape(T, -1))
@@ -47,9 +58,19 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = (
+            None  # fuse_projections(), for inference
+        )
+
+    def fuse_projections(self) -> None:
+        self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,4 +1,4 @@
-"""Triton paged-attention kernels vs a dense fp64 reference and vs the torch_native backend.
+"""Paged attention vs a dense fp64 reference: the Triton kernels, the torch_native backend, and each other.
 
 On CPU the kernels run under the Triton interpreter (tiny shapes, fp32 and fp16); on a GPU natively
 (larger shapes, fp32/fp16/bf16). Caches are NaN everywhere except the positions a request owns, so a kernel
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from treepage.layers.attention import triton_ops  # noqa: F401  (selects the interpreter without a GPU)
+from treepage.layers.attention import torch_native_backend
 from treepage.layers.attention.base import AttentionMetadata
 from treepage.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from treepage.layers.attention.triton_backend import TritonAttnBackend
@@ -109,11 +110,14 @@ def dims():
 # ---------------------------------------------------------------- extend / verify
 
 
-def make_extend(P: int, dtype: torch.dtype, tree: bool, seed: int):
+def make_extend(P: int, dtype: torch.dtype, tree: bool, seed: int, uniform_q_len: int = 0):
+    """Ragged q_lens by default; uniform_q_len > 0 gives every request that many (a real tree verify)."""
     hkv, hq, d, max_len, bsz = dims()
     rng = random.Random(seed)
     q_lens = [rng.randint(1, 20) for _ in range(bsz)]
     q_lens[0] = 17  # more than one query block at BLOCK_M = 16
+    if uniform_q_len:
+        q_lens = [uniform_q_len] * bsz
     room = max_len - 20
     prefixes = [0, P * rng.randint(1, max(1, room // P)), rng.randint(1, room), rng.randint(1, room)][:bsz]
     kv = [p + q for p, q in zip(prefixes, q_lens)]
@@ -366,3 +370,40 @@ def test_bf16(kernel):
         out = backend.cascade_draft_decode(q, cache.k, cache.v, meta, 0.2)
     assert out.dtype == dtype
     assert_close(out, ref, dtype)
+
+
+# ---------------------------------------------------------------- torch_native vs dense
+
+
+@pytest.mark.parametrize("P", PAGES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["decode", "verify"])
+def test_torch_native_batched_matches_dense(P, dtype, kind, monkeypatch):
+    """Decode and the tree verify (every request N queries) run as batched matmuls over head-major K/V,
+    in one call or split into request chunks."""
+    native = TorchNativeAttnBackend()
+    calls = []
+    batched = native.attend_uniform
+    monkeypatch.setattr(native, "attend_uniform", lambda *a: calls.append(a[-1]) or batched(*a))
+    if kind == "decode":
+        cache, q, meta, ref = make_decode(P, dtype, seed=40 + P)
+        run, n = native.decode, 1
+    else:
+        cache, q, meta, ref = make_extend(P, dtype, tree=True, seed=41 + P, uniform_q_len=7)
+        run, n = native.extend, 7
+    cache = finite(cache)  # whole pages are read, positions past a length included (masked)
+    for score_bytes in (256 << 20, 1):  # one call; one request per call
+        monkeypatch.setattr(torch_native_backend, "SCORE_BYTES_PER_CALL", score_bytes)
+        meta.derived.clear()
+        out = run(q, cache.k, cache.v, meta, 0.25 if kind == "decode" else 0.3)
+        assert out.dtype == dtype
+        assert_close(out, ref, dtype)
+    assert calls == [n, n]
+
+
+def test_torch_native_ragged_verify_runs_per_request(monkeypatch):
+    """Unequal q_lens cannot share the batched layout: extend falls back to one SDPA per request."""
+    native = TorchNativeAttnBackend()
+    monkeypatch.setattr(native, "attend_uniform", lambda *a: pytest.fail("batched path on ragged q_lens"))
+    cache, q, meta, ref = make_extend(4, torch.float32, tree=True, seed=50)
+    assert_close(native.extend(q, finite(cache).k, cache.v, meta, 0.3), ref, torch.float32)

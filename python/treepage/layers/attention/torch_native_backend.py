@@ -6,17 +6,27 @@ import torch
 import torch.nn.functional as F
 
 from treepage.layers.attention.base import AttentionBackend, AttentionMetadata
-
-
-def slots_by_page_table(page_table: torch.Tensor, page_size: int, max_len: int) -> torch.Tensor:
-    """[B, max_len] slots: position p of row b lives at page_table[b, p // P] * P + p % P."""
-    pos = torch.arange(max_len, device=page_table.device)
-    return page_table.long()[:, pos // page_size] * page_size + (pos % page_size)
+from treepage.model_executor.forward_batch import ForwardMode
 
 
 def gather_by_page_table(cache: torch.Tensor, page_table: torch.Tensor, page_size: int, max_len: int):
-    """cache [slots, H, D] -> [B, max_len, H, D], read through the page table."""
-    return cache[slots_by_page_table(page_table, page_size, max_len)]
+    """cache [slots, H, D] -> [B, max_len, H, D], read through the page table.
+
+    Copies whole pages (P * H * D contiguous elements each) with one index_select: at P > 1 that is a few large
+    block copies instead of one small gather per token.
+    """
+    n_pages = -(-max_len // page_size)
+    _, H, D = cache.shape
+    pages = cache.view(-1, page_size * H * D).index_select(0, page_table[:, :n_pages].reshape(-1).long())
+    return pages.view(page_table.shape[0], n_pages * page_size, H, D)[:, :max_len]
+
+
+def gather_head_major_fp32(cache: torch.Tensor, page_table: torch.Tensor, page_size: int, max_len: int):
+    """[Hkv, B, max_len, D] fp32 in one copy (gather, then transpose and convert together): batched matmuls
+    over (kv head, request) then need no further copy of K or V."""
+    kv = gather_by_page_table(cache, page_table, page_size, max_len)
+    B, L, H, D = kv.shape
+    return torch.empty(H, B, L, D, dtype=torch.float32, device=cache.device).copy_(kv.permute(2, 0, 1, 3))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
@@ -53,12 +63,38 @@ def sdpa_on_gathered(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
+# Scores of one batched call stay below this many bytes; larger batches are split into request chunks.
+SCORE_BYTES_PER_CALL = 256 << 20
+
+
+def uniform_visibility_bias(meta: AttentionMetadata, n: int) -> torch.Tensor:
+    """[B, n, 1, Lk] fp32, 0 where query j of request b sees position p and -inf elsewhere.
+
+    Request b's queries sit at positions [prefix_b, prefix_b + n): the prefix is visible to all of them, the
+    window causally or under the tree mask; positions past the window (table padding) to none.
+    """
+    B, Lk = meta.kv_lens.numel(), meta.max_kv_len
+    dev = meta.kv_lens.device
+    rel = torch.arange(Lk, device=dev)[None, None, :] - meta.prefix_lens.long()[:, None, None]  # [B, 1, Lk]
+    if meta.custom_mask is None:
+        visible = rel <= torch.arange(n, device=dev)[None, :, None]
+    else:
+        flat = meta.mask_indptr[:-1].long()[:, None] + torch.arange(n * n, device=dev)[None, :]
+        tree = meta.custom_mask[flat].view(B, n, n)
+        in_tree = tree.gather(2, rel.clamp(0, n - 1).expand(B, n, Lk)) & (rel >= 0) & (rel < n)
+        visible = (rel < 0) | in_tree
+    bias = torch.zeros(B, n, 1, Lk, device=dev)
+    return bias.masked_fill_(~visible[:, :, None, :], float("-inf"))
+
+
 class TorchNativeAttnBackend(AttentionBackend):
     name = "torch_native"
     supports_paged_tree_draft = True
 
     def extend(self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float) -> torch.Tensor:
-        """Per request, unpadded: prefix fully visible, new tokens causal or under the tree mask."""
+        """Tree verify batched (every request has N queries); prefill per request, unpadded."""
+        if meta.mode == ForwardMode.TARGET_VERIFY and q.shape[0] == meta.kv_lens.numel() * meta.max_q_len:
+            return self.attend_uniform(q, k_cache, v_cache, meta, scaling, meta.max_q_len)
         P = meta.page_size
         qo = meta.qo_indptr.tolist()
         prefix = meta.prefix_lens.tolist()
@@ -82,22 +118,37 @@ class TorchNativeAttnBackend(AttentionBackend):
         return out
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float) -> torch.Tensor:
-        """Grouped matmuls in the cache dtype (no K/V repeat for GQA), softmax in fp32."""
-        if "decode_slots" not in meta.derived:  # once per forward, shared by every layer
-            Lk = meta.max_kv_len
-            meta.derived["decode_slots"] = slots_by_page_table(meta.page_table, meta.page_size, Lk)
-            meta.derived["decode_mask"] = (
-                torch.arange(Lk, device=q.device)[None, :] < meta.kv_lens.long()[:, None]
-            )
-        slots, mask = meta.derived["decode_slots"], meta.derived["decode_mask"]
-        B, Hq, D = q.shape
+        return self.attend_uniform(q, k_cache, v_cache, meta, scaling, 1)
+
+    def attend_uniform(
+        self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float, n: int
+    ) -> torch.Tensor:
+        """n queries per request (decode: 1, tree verify: N), all requests in a few batched fp32 matmuls.
+
+        K/V are gathered head-major so that no operand needs a second copy, and the math runs in fp32: on a CPU
+        a bf16 batched matmul builds a new kernel whenever the context length changes, which is every step.
+        """
+        T, Hq, D = q.shape
+        B, Lk = meta.kv_lens.numel(), meta.max_kv_len
         Hkv = k_cache.shape[1]
-        k = k_cache[slots].permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, Lk, D]
-        v = v_cache[slots].permute(0, 2, 1, 3).to(q.dtype)
-        scores = torch.matmul(q.view(B, Hkv, Hq // Hkv, D), k.transpose(-1, -2)).float() * scaling
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        return torch.matmul(probs, v).reshape(B, Hq, D)
+        G = Hq // Hkv
+        if ("uniform_bias", n) not in meta.derived:  # once per forward, shared by every layer
+            meta.derived[("uniform_bias", n)] = uniform_visibility_bias(meta, n)
+        bias = meta.derived[("uniform_bias", n)]
+        out = torch.empty_like(q)
+        chunk = max(1, SCORE_BYTES_PER_CALL // (Hkv * n * G * Lk * 4))
+        for b0 in range(0, B, chunk):
+            b1 = min(B, b0 + chunk)
+            Bc = b1 - b0
+            table = meta.page_table[b0:b1]
+            k = gather_head_major_fp32(k_cache, table, meta.page_size, Lk)
+            v = gather_head_major_fp32(v_cache, table, meta.page_size, Lk)
+            qh = q[b0 * n : b1 * n].view(Bc, n, Hkv, G, D).permute(2, 0, 1, 3, 4).reshape(Hkv, Bc, n * G, D)
+            scores = torch.matmul(qh.float(), k.transpose(-1, -2)).mul_(scaling)
+            scores.view(Hkv, Bc, n, G, Lk).add_(bias[b0:b1].unsqueeze(0))
+            o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [Hkv, Bc, n * G, D]
+            out[b0 * n : b1 * n] = o.view(Hkv, Bc, n, G, D).permute(1, 2, 0, 3, 4).reshape(Bc * n, Hq, D)
+        return out
 
     def cascade_draft_decode(
         self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float
