@@ -3,7 +3,7 @@
 test_triton_ops.py and test_tail_dup.py check numerics under the interpreter, which never runs the native
 pipeline (tl.dot rules, shared memory, constexpr-branch typing). native_compile compiles to cubin on the CPU; it
 runs in a subprocess because the kernels must be imported with TRITON_INTERPRET=0 (this process set it to 1).
-On 2 CPU cores with a cold Triton cache: quick ~60 s, pairwise (slow) ~120 s; with a warm cache, seconds.
+On 2 CPU cores with a cold Triton cache: quick ~100 s, pairwise (slow) ~150 s; with a warm cache, seconds.
 """
 
 from __future__ import annotations

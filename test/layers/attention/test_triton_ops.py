@@ -12,8 +12,10 @@ import random
 import pytest
 import torch
 
-from treepage.layers.attention import triton_ops  # noqa: F401  (selects the interpreter without a GPU)
-from treepage.layers.attention import torch_native_backend
+from treepage.layers.attention import (
+    torch_native_backend,
+    triton_ops,  # noqa: F401  (selects the interpreter without a GPU)
+)
 from treepage.layers.attention.base import AttentionMetadata
 from treepage.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from treepage.layers.attention.triton_backend import TritonAttnBackend
