@@ -31,7 +31,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.scaling = self.head_dim**-0.5
         self.rope = rope
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections(), for inference
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections()
 
     def fuse_projections(self) -> None:
         self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
@@ -58,9 +58,7 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = (
-            None  # fuse_projections(), for inference
-        )
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections()
 
     def fuse_projections(self) -> None:
         self.gate_up = fuse_linears(self.gate_proj, self.up_proj)

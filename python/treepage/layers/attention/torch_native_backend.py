@@ -128,13 +128,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         K/V are gathered head-major so that no operand needs a second copy, and the math runs in fp32: on a CPU
         a bf16 batched matmul builds a new kernel whenever the context length changes, which is every step.
         """
-        T, Hq, D = q.shape
+        _, Hq, D = q.shape
         B, Lk = meta.kv_lens.numel(), meta.max_kv_len
         Hkv = k_cache.shape[1]
         G = Hq // Hkv
-        if ("uniform_bias", n) not in meta.derived:  # once per forward, shared by every layer
-            meta.derived[("uniform_bias", n)] = uniform_visibility_bias(meta, n)
-        bias = meta.derived[("uniform_bias", n)]
+        if "uniform_bias" not in meta.derived:  # once per forward, shared by every layer
+            meta.derived["uniform_bias"] = uniform_visibility_bias(meta, n)
+        bias = meta.derived["uniform_bias"]
         out = torch.empty_like(q)
         chunk = max(1, SCORE_BYTES_PER_CALL // (Hkv * n * G * Lk * 4))
         for b0 in range(0, B, chunk):

@@ -189,10 +189,6 @@ def default_num_splits(num_programs: int, max_len: int, device: torch.device) ->
     return max(1, min(want, triton.cdiv(max_len, 256), 32))
 
 
-def decode_block_n(native: bool) -> int:
-    return 64 if native else 32
-
-
 def decode_launch_params(
     queries_per_seq: int,
     group: int,
@@ -207,10 +203,11 @@ def decode_launch_params(
     native=True gives the compiled-GPU choice on any host (native_compile.py builds GPU variants on a CPU).
     """
     block_r = max(16, next_pow2(queries_per_seq * group))
+    q_tile = block_r * d
     if block_n is None:
-        # fp32 with a q tile this large needs up to 213 KB of shared memory at BLOCK_N 64 (A100: 163 KB)
-        wide_fp32 = dtype == torch.float32 and block_r * d >= 64 * 128
-        block_n = 32 if native and wide_fp32 else decode_block_n(native)
+        # 32 in the interpreter (cheap programs); natively 64, except fp32 with a large q tile, which needs up
+        # to 213 KB of shared memory at 64 (an A100 has 163 KB)
+        block_n = 64 if native and not (dtype == torch.float32 and q_tile >= 64 * 128) else 32
     return dict(
         QPB=queries_per_seq,
         GROUP=group,
@@ -220,7 +217,7 @@ def decode_launch_params(
         BLOCK_N=block_n,
         PREC=dot_precision(dtype, native),
         UPCAST=not native,
-        num_warps=4 if block_r * d <= 64 * 128 else 8,
+        num_warps=4 if q_tile <= 64 * 128 else 8,
     )
 
 
