@@ -27,7 +27,7 @@ from treepage.layers.attention import triton_ops  # noqa: F401  (interpreter wit
 from treepage.layers.attention.base import AttentionMetadata
 from treepage.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from treepage.layers.attention.triton_backend import TritonAttnBackend
-from treepage.model_executor.forward_batch import ForwardMode
+from treepage.layers.forward_batch import ForwardMode
 
 
 @dataclass

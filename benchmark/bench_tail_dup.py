@@ -21,11 +21,15 @@ from types import SimpleNamespace
 
 import torch
 
-from treepage.managers.utils import get_alloc_len_per_decode, get_alloc_reserve_per_decode, get_row_width
 from treepage.mem_cache.allocator import PagedAllocator
 from treepage.mem_cache.memory_pool import KVPool, ReqToTokenPool
-from treepage.speculative.draft_layout import compute_draft_layout, hole_positions, num_new_pages_max
-from treepage.speculative.eagle_info_v2 import duplicate_prefix_tail_to_draft_branches
+from treepage.mem_cache.sizing import get_alloc_len_per_decode, get_alloc_reserve_per_decode, get_row_width
+from treepage.speculative.draft_layout import (
+    compute_draft_layout,
+    duplicate_prefix_tail_to_draft_branches,
+    hole_positions,
+    num_new_pages_max,
+)
 
 LAYERS, HEADS, DIM, DTYPE = 32, 8, 128, torch.float16
 P, K, S = 64, 8, 3

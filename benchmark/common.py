@@ -158,6 +158,8 @@ def run_requests(
 ) -> BatchRun:
     """Submit all prompts at once (each with its own max_new_tokens), greedy, and wait for all of them."""
 
+    from treepage.entrypoints.engine import CumulativeOutput
+
     if isinstance(max_new_tokens, int):
         max_new_tokens = [max_new_tokens] * len(prompts)
     sinks: list[queue.Queue] = [queue.Queue() for _ in prompts]
@@ -167,11 +169,10 @@ def run_requests(
         engine.submit(list(ids), sp, q.put)
     outs = []
     for q in sinks:
-        while True:
-            out = q.get()
-            if out["finished"]:
-                break
-        outs.append(out)
+        acc = CumulativeOutput()
+        while not acc.finished:
+            acc.add(q.get())
+        outs.append(acc.snapshot())
     return BatchRun(outs, time.perf_counter() - t0)
 
 
@@ -234,37 +235,35 @@ def step_parts() -> list[tuple[str, tuple[Callable, ...]]]:
     labels are inside the ones above them; times are cumulative (a function's callees included)."""
     from treepage.managers.scheduler import Scheduler
     from treepage.mem_cache.memory_pool import KVPool
-    from treepage.model_executor.model_runner import ModelRunner
     from treepage.models.llama import LlamaForCausalLM
     from treepage.models.llama_eagle import LlamaForCausalLMEagle
     from treepage.models.llama_eagle3 import LlamaForCausalLMEagle3
-    from treepage.speculative import draft_layout, eagle_info_v2, eagle_tree, eagle_verify
+    from treepage.speculative import draft_layout, eagle_tree, eagle_verify
     from treepage.speculative.eagle_worker import EagleWorker
 
     return [
         ("scheduler step (everything)", (Scheduler.step,)),
-        ("  reserve KV (prepare_for_decode)", (Scheduler._prepare_for_decode,)),
+        ("  reserve KV (reserve_round)", (Scheduler._reserve_round,)),
         ("  speculative round (EagleWorker.run_round)", (EagleWorker.run_round,)),
         (
-            "    target forward: decode, or verify of N tree tokens (ModelRunner.forward)",
-            (ModelRunner.forward,),
+            "    target forward: decode, or verify of N tree tokens (Llama forward + logits)",
+            (LlamaForCausalLM.forward, LlamaForCausalLM.compute_logits),
         ),
         (
             "    draft head forwards: tree steps + extend (EAGLE-3 / EAGLE layers)",
             (LlamaForCausalLMEagle3.forward, LlamaForCausalLMEagle.forward),
         ),
-        ("    draft lm_head + softmax + top-K (tree steps + extend)", (EagleWorker._draft_logits_topk,)),
+        ("    draft lm_head + softmax + top-K (tree steps + extend)", (EagleWorker._draft_topk,)),
         ("    draft extend over the accepted tokens (its forward + lm_head)", (EagleWorker._draft_extend,)),
         (
             "    prefix-tail duplication (holey layout)",
-            (eagle_info_v2.duplicate_prefix_tail_to_draft_branches,),
+            (draft_layout.duplicate_prefix_tail_to_draft_branches,),
         ),
         ("    draft slot computation (draft_layout)", (draft_layout.draft_out_cache_loc,)),
         ("    lane regather (K > 1)", (EagleWorker._regather_lanes,)),
         ("    build_tree", (eagle_tree.build_tree,)),
         ("    greedy tree verify", (eagle_verify.verify_tree_greedy,)),
         ("    move_kv_cache (accepted KV, regather, tail dup)", (KVPool.move_kv_cache,)),
-        ("  all Llama forwards (target; a STANDALONE draft too)", (LlamaForCausalLM.forward,)),
     ]
 
 
@@ -306,7 +305,7 @@ def profile_decode(engine, prompts: Sequence[list[int]], new_tokens: int) -> dic
         codes = [inspect.unwrap(fn).__code__ for fn in fns]
         hits = [stats.get((c.co_filename, c.co_firstlineno, c.co_name), (0, 0, 0.0, 0.0)) for c in codes]
         ms[label.strip()] = round(sum(h[3] for h in hits) * 1e3 / per, 3)
-        calls[label.strip()] = round(sum(h[1] for h in hits) / per, 2)
+        calls[label.strip()] = round(max(h[1] for h in hits) / per, 2)  # the functions run side by side
     return {
         "batch": len(prompts),
         "steps": steps,

@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-ATTENTION_BACKENDS = ("torch_native", "triton", "sdpa")
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "STANDALONE")
 
@@ -88,7 +87,7 @@ def make_parser() -> argparse.ArgumentParser:
     a("--device", choices=("auto", "cpu", "cuda"), default="auto")
     a("--context-length", type=_positive_int("--context-length"), default=None)
     a("--page-size", type=_positive_int("--page-size"), default=None)
-    a("--attention-backend", choices=ATTENTION_BACKENDS, default=None)
+    a("--attention-backend", default=None, help="torch_native, triton or sdpa (layers/attention/registry.py)")
     a("--max-running-requests", type=_positive_int("--max-running-requests"), default=None)
     a("--max-queued-requests", type=_positive_int("--max-queued-requests"), default=None)
     a("--max-total-tokens", type=_positive_int("--max-total-tokens"), default=None)

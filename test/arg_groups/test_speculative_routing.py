@@ -41,18 +41,6 @@ ROUTES = [
         1,
         (5, 8, 64),
     ),
-    (
-        dict(
-            speculative_algorithm="EAGLE3",
-            speculative_num_steps=3,
-            speculative_eagle_topk=4,
-            speculative_num_draft_tokens=8,
-            page_size=16,
-        ),
-        "MambaForCausalLM",
-        1,
-        (3, 4, 8),
-    ),
     (dict(speculative_algorithm="EAGLE", page_size=1), "LlamaForCausalLM", 2, (5, 4, 8)),
     (dict(speculative_algorithm="STANDALONE", page_size=1), "LlamaForCausalLM", 2, (3, 1, 4)),
     (dict(speculative_algorithm="EAGLE", page_size=1), "Qwen2ForCausalLM", 2, (3, 1, 4)),

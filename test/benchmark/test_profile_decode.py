@@ -32,11 +32,11 @@ def test_plain_steps_are_one_target_forward_each(tiny_llama3_dir):
     prof = profile_decode(eng, prompts(), NEW)
     parts, calls = prof["parts_ms_per_step"], prof["calls_per_step"]
     assert prof["steps"] == NEW - 1 and prof["tokens"] == 2 * (NEW - 1) and prof["tokens_per_step"] == 2
-    assert calls["target forward: decode, or verify of N tree tokens (ModelRunner.forward)"] == 1
+    assert calls["target forward: decode, or verify of N tree tokens (Llama forward + logits)"] == 1
     assert parts["speculative round (EagleWorker.run_round)"] == 0
-    assert 0 < parts["target forward: decode, or verify of N tree tokens (ModelRunner.forward)"]
+    assert 0 < parts["target forward: decode, or verify of N tree tokens (Llama forward + logits)"]
     assert (
-        parts["target forward: decode, or verify of N tree tokens (ModelRunner.forward)"]
+        parts["target forward: decode, or verify of N tree tokens (Llama forward + logits)"]
         <= parts["scheduler step (everything)"]
     )
 
@@ -58,7 +58,7 @@ def test_spec_rounds_split_into_draft_and_verify(tiny_llama3_dir, head):
     parts, calls = prof["parts_ms_per_step"], prof["calls_per_step"]
     assert prof["tokens"] == 2 * (NEW - 1) and prof["tokens_per_step"] >= 2
     assert calls["speculative round (EagleWorker.run_round)"] == 1
-    assert calls["target forward: decode, or verify of N tree tokens (ModelRunner.forward)"] == 1
+    assert calls["target forward: decode, or verify of N tree tokens (Llama forward + logits)"] == 1
     # S - 1 tree steps + one draft extend per round, each with one lm_head + top-K
     assert calls["draft head forwards: tree steps + extend (EAGLE-3 / EAGLE layers)"] == S
     assert calls["draft lm_head + softmax + top-K (tree steps + extend)"] == S
@@ -66,7 +66,7 @@ def test_spec_rounds_split_into_draft_and_verify(tiny_llama3_dir, head):
     inner = sum(
         parts[k]
         for k in (
-            "target forward: decode, or verify of N tree tokens (ModelRunner.forward)",
+            "target forward: decode, or verify of N tree tokens (Llama forward + logits)",
             "draft head forwards: tree steps + extend (EAGLE-3 / EAGLE layers)",
         )
     )

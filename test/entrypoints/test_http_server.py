@@ -13,7 +13,6 @@ import openai
 import pytest
 
 from server_utils import launch_server, log_tail
-from treepage.entrypoints.openai_protocol import stream_safe_len
 
 MODEL = "tiny"
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -390,12 +389,6 @@ def test_metrics_are_prometheus_text_and_move(client, url):
         assert f"\ntreepage:{name} " in text, name
     assert gen_tokens_total(url) - before == 5
 
-
-def test_stream_safe_len_holds_back_partial_stops():
-    assert stream_safe_len("hello wor", ["world"]) == len("hello ")
-    assert stream_safe_len("hello", ["xyz"]) == 5
-    assert stream_safe_len("abab", ["bab!", "b"]) == 1  # longest held tail wins: "bab"
-    assert stream_safe_len("", ["ab"]) == 0
 
 
 def test_full_queue_is_503_and_frees_everything(tiny_llama_dir, tmp_path):

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from treepage.entrypoints.engine import Engine
+from treepage.entrypoints.engine import CumulativeOutput, Engine
 from treepage.server_args import ServerArgs
 
 NEW = 20
@@ -171,12 +171,15 @@ def submit_all(engine: Engine, prompts: list[list[int]], params: list[dict]) -> 
     sinks = [queue.Queue() for _ in prompts]
     for p, sp, q in zip(prompts, params, sinks):
         engine.submit(p, engine.make_sampling_params(sp), q.put)
-    outs = []
-    for q in sinks:
-        while not (out := q.get(timeout=120))["finished"]:
-            pass
-        outs.append(out)
-    return outs
+    return [final_output(q) for q in sinks]
+
+
+def final_output(q: queue.Queue) -> dict:
+    """Accumulate a request's output deltas into its final snapshot."""
+    acc = CumulativeOutput()
+    while not acc.finished:
+        acc.add(q.get(timeout=120))
+    return acc.snapshot()
 
 
 def test_strict_mem_check_runs_clean(tiny_llama_dir: str, ref_engine: Engine, monkeypatch, caplog) -> None:
@@ -247,8 +250,7 @@ def test_a_failing_sink_harms_no_other_request(tiny_llama_dir: str, ref_engine: 
         good: queue.Queue = queue.Queue()
         engine.submit(PROMPTS[0], engine.make_sampling_params(GREEDY), broken_sink)
         engine.submit(PROMPTS[1], engine.make_sampling_params(GREEDY), good.put)
-        while not (out := good.get(timeout=10))["finished"]:
-            pass
+        out = final_output(good)
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": NEW}
         assert out["output_ids"] == reference["greedy"][1]
         assert_idle_and_empty(engine)

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from treepage.managers.utils import (
+from treepage.mem_cache.sizing import (
     ceil_div,
     ceil_to_page,
     get_alloc_len_per_decode,

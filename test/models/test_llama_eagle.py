@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from treepage.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from treepage.layers.forward_batch import ForwardBatch, ForwardMode
 from treepage.mem_cache.memory_pool import KVPool
-from treepage.model_executor.forward_batch import ForwardBatch, ForwardMode
 from treepage.models.config import ModelConfig
 from treepage.models.eagle_checkpoint import (
     draft_vocab_maps,
@@ -118,7 +118,7 @@ class DraftKV:
         )
         self.backend.init_forward_metadata(fb)
         with torch.no_grad():
-            return head(fb)
+            return head(fb).hidden
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> None:

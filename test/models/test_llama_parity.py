@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from treepage.entrypoints.engine import Engine
-from treepage.managers.schedule_batch import Req, SamplingParams
+from treepage.layers.forward_batch import ForwardMode
 from treepage.mem_cache.memory_pool import free_row, grow_row
-from treepage.model_executor.forward_batch import ForwardMode
 from treepage.server_args import ServerArgs
 
 NEW_TOKENS = 64
@@ -81,15 +80,15 @@ def runner_logits(engine: Engine, ids: list[int], n_decode: int = 3) -> torch.Te
     assert 0 < a < b < len(ids)
     row = pools.req_to_token_pool.alloc()
     assert row is not None and grow_row(pools.req_to_token_pool, pools.allocator, row, 0, len(ids))
-    req = Req("parity", list(ids), SamplingParams(), lambda out: None, row=row, allocated_len=len(ids))
     chunks = [(0, a, ForwardMode.EXTEND), (a, b, ForwardMode.EXTEND)]
     chunks += [(p, p + 1, ForwardMode.DECODE) for p in range(b, len(ids))]
     parts = []
     try:
         for start, end, mode in chunks:
-            fb = w.extend_batch([req], [ids[start:end]], [start], mode)
+            fb = engine.runner.extend_batch([row], [ids[start:end]], [start], mode)
             fb.logits_indices = None  # logits for every new token, not only the last
-            _, logits = engine.runner.forward(fb)
+            logits = engine.runner.forward(fb).logits
+            assert logits is not None
             assert logits.shape == (end - start, engine.vocab_size)
             parts.append(logits.float())
     finally:

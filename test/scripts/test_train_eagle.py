@@ -12,8 +12,8 @@ import train_eagle as te
 from safetensors.torch import load_file
 
 from treepage.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from treepage.layers.forward_batch import CaptureHidden, ForwardBatch, ForwardMode
 from treepage.mem_cache.memory_pool import KVPool
-from treepage.model_executor.forward_batch import CaptureHidden, ForwardBatch, ForwardMode
 from treepage.models.config import ModelConfig
 from treepage.models.eagle_checkpoint import random_eagle_head
 from treepage.models.llama import LlamaForCausalLM
@@ -47,7 +47,8 @@ def run_extend(model, pool: KVPool, ids: torch.Tensor, hidden, start: int, captu
     )
     backend.init_forward_metadata(fb)
     with torch.no_grad():
-        return model(fb)
+        out = model(fb)
+    return out.hidden if capture == CaptureHidden.NONE else out.features
 
 
 def load_target(path: str) -> LlamaForCausalLM:
@@ -105,9 +106,9 @@ def test_features_equal_engine_capture(tiny_llama3_dir):
             kv = KVPool(
                 MAX_POS + 1, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32
             )
-            run_extend(target, kv, seq, None, 0, capture)
+            engine_features = run_extend(target, kv, seq, None, 0, capture)
             got = getattr(split, kind)[off : off + len(seq)]
-            torch.testing.assert_close(got, target.captured, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got, engine_features, atol=1e-4, rtol=1e-4)
 
 
 def write_data(d: pathlib.Path) -> None:

@@ -7,29 +7,27 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treepage.managers.utils import (
+from treepage.mem_cache.allocator import MemoryLeakError, PagedAllocator
+from treepage.mem_cache.memory_pool import KVPool, ReqToTokenPool, build_page_table, free_row, grow_row
+from treepage.mem_cache.sizing import (
+    RowWidthError,
+    check_row_width,
     get_alloc_len_per_decode,
     get_alloc_reserve_per_decode,
     get_row_width,
     next_alloc_target,
+    reserve_decode_slots,
 )
-from treepage.mem_cache.allocator import MemoryLeakError, PagedAllocator
-from treepage.mem_cache.memory_pool import KVPool, ReqToTokenPool, build_page_table, free_row, grow_row
 from treepage.speculative.draft_layout import (
     branch_page_table,
     compute_draft_layout,
     draft_out_cache_loc,
     draft_positions,
     draft_region_end,
+    duplicate_prefix_tail_to_draft_branches,
     hole_positions,
     num_new_pages_max,
     shared_prefix_page_table,
-)
-from treepage.speculative.eagle_info_v2 import (
-    RowWidthError,
-    check_row_width,
-    duplicate_prefix_tail_to_draft_branches,
-    reserve_decode_slots,
 )
 
 
@@ -192,7 +190,7 @@ def test_layout_properties(cfg):
 
 def test_check_row_width_message():
     check_row_width([10, 20], 20, 64, 8, 3, 16)
-    check_row_width(torch.tensor([5]), 5, 1, 1, 1, 2)
+    check_row_width([5], 5, 1, 1, 1, 2)
     with pytest.raises(RowWidthError) as e:
         check_row_width([10, 2111], 2110, 64, 8, 3, 16)
     msg = str(e.value)

@@ -11,7 +11,7 @@ import pytest
 
 from spec_utils import make_perturbed_copy, make_sharp_target
 from treepage.entrypoints.engine import Engine
-from treepage.managers.utils import NARROW_ROWS_ENV
+from treepage.mem_cache.sizing import NARROW_ROWS_ENV
 from treepage.server_args import ServerArgs
 
 CONTEXT = 512

@@ -13,8 +13,11 @@ import pytest  # noqa: E402
 
 from treepage.mem_cache.allocator import PagedAllocator  # noqa: E402
 from treepage.mem_cache.memory_pool import KVPool, ReqToTokenPool, grow_row  # noqa: E402
-from treepage.speculative.draft_layout import compute_draft_layout, hole_positions  # noqa: E402
-from treepage.speculative.eagle_info_v2 import duplicate_prefix_tail_to_draft_branches  # noqa: E402
+from treepage.speculative.draft_layout import (  # noqa: E402
+    compute_draft_layout,
+    duplicate_prefix_tail_to_draft_branches,  # noqa: E402
+    hole_positions,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from treepage.arg_groups.speculative import resolve_speculative
+from treepage.layers.attention.registry import get_backend_class
 from treepage.server_args import ArgumentError, ServerArgs
 
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}
@@ -34,6 +35,7 @@ def resolve_server_args(args: ServerArgs, architecture: str = "LlamaForCausalLM"
     args.device = resolve_device(args)
     if args.attention_backend is None:
         args.attention_backend = "triton" if args.device == "cuda" else "torch_native"
+    get_backend_class(args.attention_backend)  # an unknown name fails here, naming the flag
     if args.page_size is None:
         args.page_size = 1
     if not 1 <= args.port <= 65535:

@@ -1,4 +1,4 @@
-"""Speculative flag resolution and routing (DESIGN §6). Every refusal happens here, at start-up."""
+"""Speculative flag resolution and routing (docs/design.md, "Routing"). Every refusal happens here, at start-up."""
 
 from __future__ import annotations
 
@@ -8,20 +8,6 @@ from treepage.layers.attention.registry import get_backend_class, paged_tree_bac
 from treepage.server_args import ArgumentError, ServerArgs
 
 logger = logging.getLogger(__name__)
-
-# Architectures whose layers keep recurrent (mamba-style) state: their state cannot be rolled back per
-# branch under overlap scheduling, so they run synchronous rounds.
-RECURRENT_ARCHITECTURES = frozenset(
-    {
-        "MambaForCausalLM",
-        "Mamba2ForCausalLM",
-        "FalconMambaForCausalLM",
-        "JambaForCausalLM",
-        "NemotronHForCausalLM",
-        "Qwen3NextForCausalLM",
-        "FalconH1ForCausalLM",
-    }
-)
 
 # (steps, topk, draft tokens) when only the algorithm is given.
 AUTO_TREE = {"STANDALONE": (3, 1, 4)}
@@ -123,14 +109,7 @@ def resolve_speculative(args: ServerArgs, architecture: str = "LlamaForCausalLM"
         raise ArgumentError(f"--speculative-debug-fixed-accept-len must be in 1..{S + 1}, got {fixed}")
 
     args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens = S, K, N
-    if architecture in RECURRENT_ARCHITECTURES:
-        if not args.disable_overlap_schedule:
-            logger.info("%s keeps recurrent state: speculative decoding falls back to spec v1", architecture)
-        args.spec_version = 1
-    elif args.disable_overlap_schedule:
-        args.spec_version = 1
-    else:
-        args.spec_version = 2
+    args.spec_version = 1 if args.disable_overlap_schedule else 2
     if args.max_running_requests is None:
         args.max_running_requests = 48
     return args

@@ -14,10 +14,10 @@ import torch
 
 from treepage.arg_groups import resolve_dtype, resolve_server_args
 from treepage.arg_groups.speculative import apply_default_server_speculation
-from treepage.managers.schedule_batch import FinishReason, Req, SamplingParams, new_rid
+from treepage.core import Req, SamplingParams, new_rid
 from treepage.managers.scheduler import Scheduler
 from treepage.managers.tokenizer import eos_token_ids, load_tokenizer
-from treepage.model_executor.model_runner import ModelRunner
+from treepage.managers.worker_factory import build_worker
 from treepage.models.loader import default_model_path, load_config
 from treepage.server_args import ServerArgs
 
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 def asyncio_sink(loop: asyncio.AbstractEventLoop, q: asyncio.Queue):
-    """A sink that hands snapshots from the scheduler thread to a consumer on an event loop."""
+    """A sink that hands output deltas from the scheduler thread to a consumer on an event loop."""
 
     def sink(out: dict) -> None:
         try:
@@ -34,6 +34,34 @@ def asyncio_sink(loop: asyncio.AbstractEventLoop, q: asyncio.Queue):
             pass
 
     return sink
+
+
+class CumulativeOutput:
+    """Consumer side of a request's output deltas: the cumulative snapshot `{"rid", "text", "output_ids",
+    "finished", "meta_info"}` that the APIs return."""
+
+    def __init__(self) -> None:
+        self.rid = ""
+        self.text = ""
+        self.output_ids: list[int] = []
+        self.finished = False
+        self.meta_info: dict[str, Any] = {}
+
+    def add(self, delta: dict[str, Any]) -> None:
+        self.rid = delta["rid"]
+        self.text += delta["text_delta"]
+        self.output_ids += delta["ids_delta"]
+        self.finished = delta["finished"]
+        self.meta_info = delta["meta_info"]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "rid": self.rid,
+            "text": self.text,
+            "output_ids": list(self.output_ids),
+            "finished": self.finished,
+            "meta_info": self.meta_info,
+        }
 
 
 class Engine:
@@ -50,7 +78,7 @@ class Engine:
         dtype = resolve_dtype(args, args.device)
         self.dtype = dtype
         self.tokenizer = load_tokenizer(args.model_path, args.tokenizer_path)
-        self.worker = self._build_worker(args, config, dtype)
+        self.worker = build_worker(args, config, dtype)
         self.runner = self.worker.runner
         self.model_config = config
         self.context_len = self.worker.pools.context_len
@@ -62,15 +90,6 @@ class Engine:
         )
         self._thread.start()
         self.start_time = time.time()
-
-    def _build_worker(self, args: ServerArgs, config, dtype):
-        if not args.speculation:
-            from treepage.managers.tp_worker import TpWorker
-
-            return TpWorker(ModelRunner(args, args.model_path, dtype, config=config))
-        from treepage.speculative.eagle_worker import build_speculative_worker
-
-        return build_speculative_worker(args, config, dtype)
 
     # ---- requests ----------------------------------------------------------------------------------------------
     @property
@@ -117,11 +136,8 @@ class Engine:
         return Req(rid or new_rid(), list(input_ids), sp, sink, generator=gen, created=time.monotonic())
 
     def submit(self, input_ids: list[int], sp: SamplingParams, sink, rid: str | None = None) -> Req:
+        """Queue a request; `sink` receives its output deltas (managers/output.py) on the scheduler thread."""
         req = self._make_req(input_ids, sp, sink, rid)
-        if sp.max_new_tokens == 0:
-            req.finished = FinishReason("length", matched=0)
-            sink(self.scheduler._snapshot(req))
-            return req
         self.scheduler.submit(req)
         return req
 
@@ -137,13 +153,14 @@ class Engine:
         q: asyncio.Queue = asyncio.Queue()
 
         req = self.submit(input_ids, sp, asyncio_sink(loop, q), rid)
+        acc = CumulativeOutput()
         try:
             while True:
-                out = await q.get()
-                while not q.empty() and not out["finished"]:
-                    out = q.get_nowait()  # coalesce: snapshots are cumulative
-                yield out
-                if out["finished"]:
+                acc.add(await q.get())
+                while not q.empty() and not acc.finished:
+                    acc.add(q.get_nowait())  # coalesce what has arrived
+                yield acc.snapshot()
+                if acc.finished:
                     return
         finally:
             if req.finished is None:
@@ -165,23 +182,21 @@ class Engine:
         else:
             batch_ids = [input_ids] if single else list(input_ids)
         sp_list = [self.make_sampling_params(sampling_params) for _ in batch_ids]
-        results: list[queue.Queue] = [queue.Queue() for _ in batch_ids]
+        results: list[queue.Queue[dict[str, Any]]] = [queue.Queue() for _ in batch_ids]
         for ids, sp, q in zip(batch_ids, sp_list, results):
             self.submit(ids, sp, q.put)
         outs = []
         for q in results:
-            while True:
+            acc = CumulativeOutput()
+            while not acc.finished:
                 try:
-                    out = q.get(timeout=1.0)
+                    acc.add(q.get(timeout=1.0))
                 except queue.Empty:
                     if not self._thread.is_alive():
                         raise RuntimeError(
                             "the scheduler thread has stopped; the engine cannot serve"
                         ) from None
-                    continue
-                if out["finished"]:
-                    break
-            outs.append(out)
+            outs.append(acc.snapshot())
         return outs[0] if single else outs
 
     def abort(self, rid: str) -> None:
@@ -202,9 +217,8 @@ class Engine:
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
-        s = self.scheduler
         while time.monotonic() < deadline:
-            if not s.running and not s.waiting and s.inbox.empty():
+            if self.scheduler.is_idle():
                 return
             time.sleep(0.01)
         raise TimeoutError("engine did not become idle")
@@ -243,8 +257,7 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """No prefix cache is kept yet, so there is nothing to drop; reports whether the engine is idle."""
-        s = self.scheduler
-        return not s.running and not s.waiting
+        return self.scheduler.is_idle()
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()

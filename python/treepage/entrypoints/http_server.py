@@ -22,14 +22,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
-from treepage.entrypoints.engine import asyncio_sink
+from treepage.entrypoints.engine import CumulativeOutput, asyncio_sink
 from treepage.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
     format_validation_error,
     openai_finish_reason,
-    stream_safe_len,
     usage,
 )
 from treepage.managers.scheduler import QueueFullError
@@ -76,21 +75,23 @@ def _sse(obj: dict) -> str:
 
 # ---- requests in flight -----------------------------------------------------------------------------------------
 class _Submitted:
-    """One request already queued in the scheduler; its cumulative snapshots arrive on the event loop."""
+    """One request already queued in the scheduler; its output deltas arrive on the event loop."""
 
     def __init__(self, engine: Engine, input_ids: list[int], sampling_params: Any, rid: str | None) -> None:
         loop = asyncio.get_running_loop()
         self.engine = engine
         self.queue: asyncio.Queue[dict] = asyncio.Queue()
+        self.output = CumulativeOutput()
         self.finished = False
         self.req = engine.submit(input_ids, sampling_params, asyncio_sink(loop, self.queue), rid)
 
     async def next(self) -> dict:
-        out = await self.queue.get()
-        while not out["finished"] and not self.queue.empty():
-            out = self.queue.get_nowait()  # snapshots are cumulative: the newest is enough
-        self.finished = out["finished"]
-        return out
+        """The cumulative snapshot after every delta that has arrived."""
+        self.output.add(await self.queue.get())
+        while not self.output.finished and not self.queue.empty():
+            self.output.add(self.queue.get_nowait())
+        self.finished = self.output.finished
+        return self.output.snapshot()
 
     def abort(self) -> None:
         if not self.finished:
@@ -222,10 +223,6 @@ def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
         raise ApiError(400, problem)
 
 
-def _stops(stop: str | list[str] | None) -> list[str]:
-    return [stop] if isinstance(stop, str) else list(stop or [])
-
-
 def _rids(base: str, n: int) -> list[str]:
     return [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
 
@@ -239,7 +236,6 @@ def _total_usage(finals: list[dict]) -> dict[str, int]:
 
 async def _openai_events(
     subs: list[_Submitted],
-    stops: list[str],
     chunk: Callable[[int, str, str | None, Any], dict],
     head: dict,
     include_usage: bool,
@@ -258,10 +254,8 @@ async def _openai_events(
             return
         text, meta = out["text"], out["meta_info"]
         totals[i] = (meta["prompt_tokens"], meta["completion_tokens"])
-        end = len(text) if out["finished"] else stream_safe_len(text, stops)
-        delta = text[len(sent[i]) : end]
-        if delta:
-            sent[i] = text[:end]
+        delta = text[len(sent[i]) :]  # the scheduler streams only final text (never part of a stop string)
+        sent[i] = text
         finish, matched = openai_finish_reason(meta) if out["finished"] else (None, None)
         if delta or finish:
             yield _sse({**head, "choices": [chunk(i, delta, finish, matched)]})
@@ -364,7 +358,7 @@ def create_app(engine: Engine) -> FastAPI:
             }
 
         if body.stream:
-            events = _openai_events(subs, _stops(body.stop), choice, head, body.include_usage)
+            events = _openai_events(subs, choice, head, body.include_usage)
             return _sse_response(events, subs)
         finals = await _collect_unless_gone(subs, request)
         _raise_on_abort(finals)
@@ -405,7 +399,7 @@ def create_app(engine: Engine) -> FastAPI:
         if body.stream:
             role = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                          "finish_reason": None}]}  # fmt: skip
-            events = _openai_events(subs, _stops(body.stop), chunk, head, body.include_usage, prelude=[role])
+            events = _openai_events(subs, chunk, head, body.include_usage, prelude=[role])
             return _sse_response(events, subs)
         finals = await _collect_unless_gone(subs, request)
         _raise_on_abort(finals)

@@ -224,15 +224,3 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-
-
-def stream_safe_len(text: str, stops: list[str]) -> int:
-    """Length of text that may be streamed: a tail that could begin a stop string is held back, since
-    the engine trims it away if the stop string completes."""
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:k]):
-                hold = k
-                break
-    return len(text) - hold

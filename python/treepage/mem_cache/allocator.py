@@ -13,10 +13,6 @@ class MemoryLeakError(RuntimeError):
     """Free + in-use pages do not add up, or pages are still held at an idle point."""
 
 
-class OutOfPagesError(RuntimeError):
-    """Raised by callers that cannot proceed without pages (the allocator itself returns None)."""
-
-
 class PagedAllocator:
     """Hands out whole pages; physical page 0 is reserved as the padding page.
 

@@ -115,7 +115,7 @@ def write_row_slots(req_to_token: torch.Tensor, row: int, start: int, slots: tor
     """Write through the flat index row * width + start + j, as a GPU kernel would.
 
     Deliberately unchecked: past the row end the write spills into the next row. That is the failure the
-    row-width invariant (eagle_info_v2.check_row_width) exists to prevent.
+    row-width invariant (sizing.check_row_width) exists to prevent.
     """
     n = slots.numel()
     if n == 0:

@@ -5,14 +5,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from treepage.layers.attention.registry import get_backend_class
-from treepage.managers.utils import get_row_width, get_row_width_extra, speculation_enabled
+from treepage.layers.forward_batch import CaptureHidden, ForwardBatch, ForwardMode
 from treepage.mem_cache.allocator import PagedAllocator
 from treepage.mem_cache.memory_pool import KVPool, ReqToTokenPool
-from treepage.model_executor.forward_batch import ForwardBatch
+from treepage.mem_cache.sizing import get_row_width, get_row_width_extra, speculation_enabled
 from treepage.models.config import ModelConfig
 from treepage.models.loader import load_config, load_state_dict, load_weights_into
 from treepage.server_args import ServerArgs
@@ -22,12 +23,19 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SharedPools:
-    """One allocator and one ReqToTokenPool serve the target and the draft KV pools (DESIGN §2)."""
+    """One allocator and one ReqToTokenPool serve the target and the draft KV pools (docs/design.md)."""
 
     allocator: PagedAllocator
     req_to_token_pool: ReqToTokenPool
     context_len: int
     row_width: int
+
+
+@dataclass
+class ForwardOutput:
+    hidden: torch.Tensor  # [T, H]
+    logits: torch.Tensor | None  # [rows, V] for fb.logits_indices (all rows when None); None when it is empty
+    features: torch.Tensor | None  # [T, F] target features for a draft head, when fb.capture_hidden asks
 
 
 def build_model(config: ModelConfig, max_position: int) -> torch.nn.Module:
@@ -156,16 +164,16 @@ class ModelRunner:
         return SharedPools(allocator, req_pool, context_len, row_width)
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns (hidden [T, H], logits [rows, V] for fb.logits_indices or None when it is empty)."""
+    def forward(self, fb: ForwardBatch) -> ForwardOutput:
+        """The only place attention metadata is built: every forward of this runner goes through here."""
         self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb)
+        hidden, features = self.model(fb)
         if fb.logits_indices is not None and fb.logits_indices.numel() == 0:
-            return hidden, None
+            return ForwardOutput(hidden, None, features)
         sel = hidden if fb.logits_indices is None else hidden[fb.logits_indices]
-        return hidden, self.model.compute_logits(sel)
+        return ForwardOutput(hidden, self.model.compute_logits(sel), features)
 
-    def make_batch(self, **kw) -> ForwardBatch:
+    def make_batch(self, **kw: Any) -> ForwardBatch:
         return ForwardBatch(
             req_to_token=self.pools.req_to_token_pool.req_to_token,
             kv_pool=self.kv_pool,
@@ -173,3 +181,41 @@ class ModelRunner:
             page_size=self.page_size,
             **kw,
         )
+
+    def extend_batch(
+        self,
+        rows: list[int],
+        ids: list[list[int]],
+        prefix_lens: list[int],
+        mode: ForwardMode = ForwardMode.EXTEND,
+        input_hidden: torch.Tensor | None = None,
+        capture_hidden: CaptureHidden = CaptureHidden.NONE,
+    ) -> ForwardBatch:
+        """New tokens `ids[i]` at positions prefix_lens[i].. of row rows[i]; logits for each request's last token."""
+        rtt = self.pools.req_to_token_pool.req_to_token
+        flat_ids: list[int] = []
+        positions: list[int] = []
+        token_rows: list[int] = []
+        for row, toks, p in zip(rows, ids, prefix_lens):
+            flat_ids += toks
+            positions += range(p, p + len(toks))
+            token_rows += [row] * len(toks)
+        pos = self._tensor(positions)
+        ext = [len(t) for t in ids]
+        return self.make_batch(
+            mode=mode,
+            input_ids=self._tensor(flat_ids),
+            positions=pos,
+            out_cache_loc=rtt[self._tensor(token_rows), pos],
+            req_rows=self._tensor(rows),
+            prefix_lens=self._tensor(prefix_lens),
+            extend_lens=self._tensor(ext),
+            prefix_lens_cpu=list(prefix_lens),
+            extend_lens_cpu=ext,
+            logits_indices=self._tensor(ext).cumsum(0) - 1,
+            input_hidden=input_hidden,
+            capture_hidden=capture_hidden,
+        )
+
+    def _tensor(self, data: list[int]) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.int64, device=self.device)

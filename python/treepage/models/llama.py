@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treepage.layers.forward_batch import CaptureHidden, ForwardBatch, ModelOutput
 from treepage.layers.linear import fuse_linears
 from treepage.layers.norm import RMSNorm
 from treepage.layers.rope import RotaryEmbedding
-from treepage.model_executor.forward_batch import CaptureHidden, ForwardBatch
 from treepage.models.config import ModelConfig
 
 
@@ -102,7 +102,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward() returns final-norm hidden states [T, H]; logits come from compute_logits on chosen rows."""
+    """forward() returns final-norm hidden states [T, H] and the features fb.capture_hidden asks for; logits come
+    from compute_logits on chosen rows."""
 
     def __init__(self, config: ModelConfig, max_position: int | None = None) -> None:
         super().__init__()
@@ -112,9 +113,8 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.aux_layers = default_aux_layers(config.num_hidden_layers)
-        self.captured: torch.Tensor | None = None  # features for a draft head, [T, F]
 
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch) -> ModelOutput:
         h = self.model.embed_tokens(fb.input_ids)
         aux: dict[int, torch.Tensor] = {}
         capture_aux = fb.capture_hidden == CaptureHidden.AUX
@@ -126,12 +126,8 @@ class LlamaForCausalLM(nn.Module):
             aux[len(self.model.layers)] = h
         h = self.model.norm(h)
         if capture_aux:
-            self.captured = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
-        elif fb.capture_hidden == CaptureHidden.LAST:
-            self.captured = h
-        else:
-            self.captured = None
-        return h
+            return ModelOutput(h, torch.cat([aux[i] for i in self.aux_layers], dim=-1))
+        return ModelOutput(h, h if fb.capture_hidden == CaptureHidden.LAST else None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

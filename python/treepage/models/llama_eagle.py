@@ -11,9 +11,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from treepage.layers.forward_batch import ForwardBatch, ModelOutput
 from treepage.layers.norm import RMSNorm
 from treepage.layers.rope import RotaryEmbedding
-from treepage.model_executor.forward_batch import ForwardBatch
 from treepage.models.config import ModelConfig
 from treepage.models.llama import LlamaAttention, LlamaMLP
 
@@ -114,7 +114,7 @@ class LlamaForCausalLMEagle(nn.Module):
             )
         self.embed_tokens, self.lm_head = embed, lm_head
 
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch) -> ModelOutput:
         if self.embed_tokens is None:
             raise RuntimeError("EAGLE head: call bind_target(target) before forward")
         f = fb.input_hidden
@@ -126,7 +126,7 @@ class LlamaForCausalLMEagle(nn.Module):
             )
         e = self.embed_tokens(fb.input_ids)
         z = self.fc(torch.cat([e, f.to(e.dtype)], dim=-1))  # embedding first, feature second
-        return self.layers[0](fb.positions, z, fb)
+        return ModelOutput(self.layers[0](fb.positions, z, fb))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:

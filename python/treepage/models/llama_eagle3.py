@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from treepage.layers.forward_batch import ForwardBatch, ModelOutput
 from treepage.layers.norm import RMSNorm
 from treepage.layers.rope import RotaryEmbedding
-from treepage.model_executor.forward_batch import ForwardBatch
 from treepage.models.config import ModelConfig
 from treepage.models.llama import LlamaAttention, LlamaMLP
 from treepage.models.llama_eagle import copy_released_weights, strip_model_prefix
@@ -153,7 +153,7 @@ class LlamaForCausalLMEagle3(nn.Module):
         if ids and hasattr(target, "aux_layers"):
             target.aux_layers = self.aux_layer_ids(len(target.model.layers))
 
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch) -> ModelOutput:
         if self.embed_tokens is None:
             raise RuntimeError("EAGLE-3 head: call bind_target(target) before forward")
         g = fb.input_hidden
@@ -168,7 +168,7 @@ class LlamaForCausalLMEagle3(nn.Module):
         g = g.to(e.dtype)
         if g.shape[-1] == self.feature_width:  # target features are fused once; own states skip fc
             g = self.fc(g)
-        return self.midlayer(fb.positions, e, g, fb)
+        return ModelOutput(self.midlayer(fb.positions, e, g, fb))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:

@@ -1,4 +1,5 @@
-"""The holey per-branch draft layout (DESIGN section 4): every formula that writes or reads it lives here.
+"""The holey per-branch draft layout (docs/design.md, "Holey layout"): every formula that writes or reads it
+lives here.
 
 Per request: last_page = L mod P, prefix_base = L - last_page, nnp = ceil((last_page + S) / P). Branch t owns
 row positions [prefix_base + t*nnp*P, prefix_base + (t+1)*nnp*P), whole pages; its step-s token sits at
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from treepage.mem_cache.memory_pool import build_page_table
+from treepage.layers.forward_batch import CascadePlan
+from treepage.mem_cache.memory_pool import KVPool, build_page_table
 
 
 @dataclass
@@ -129,3 +131,42 @@ def branch_page_table(
     pos = torch.where(valid, _branch_starts(layout)[:, :, None] + local, 0)
     pages = torch.where(valid, req_to_token[rows[:, None, None], pos] // P, 0)
     return pages.reshape(B * K, -1), lens.reshape(B * K)
+
+
+def cascade_plan(req_to_token: torch.Tensor, rows: torch.Tensor, layout: DraftLayout, step: int) -> CascadePlan:
+    """The attention read plan of draft step `step`: shared prefix pages once per request, then each branch's."""
+    shared_pt, shared_lens = shared_prefix_page_table(req_to_token, rows, layout)
+    branch_pt, branch_lens = branch_page_table(req_to_token, rows, layout, step)
+    return CascadePlan(
+        shared_page_table=shared_pt.to(torch.int32),
+        shared_lens=shared_lens.to(torch.int32),
+        branch_page_table=branch_pt.to(torch.int32),
+        branch_lens=branch_lens.to(torch.int32),
+        topk=layout.topk,
+    )
+
+
+def duplicate_prefix_tail_to_draft_branches(
+    kv_pool: KVPool, req_to_token: torch.Tensor, rows: torch.Tensor, layout: DraftLayout, impl: str = "auto"
+) -> None:
+    """Copy the draft K/V of the prefix tail into the holes of branches t >= 1, all layers, K and V.
+
+    Each branch then reads its own pages as "tail + chain" with a page-table kernel; the branch's own draft
+    slots (offsets >= last_page) are never touched.
+    """
+    if layout.topk == 1 or layout.page_size == 1:
+        return
+    if impl == "auto":
+        impl = "triton" if kv_pool.kv_data.is_cuda else "torch"
+    if impl == "triton":
+        from treepage.speculative.triton_ops.tail_dup import tail_dup_triton
+
+        tail_dup_triton(kv_pool.kv_data, req_to_token, rows, layout)
+    elif impl == "torch":
+        req, src_pos, dst_pos = hole_positions(layout)
+        if req.numel() == 0:
+            return
+        r = rows.to(torch.int64)[req]
+        kv_pool.move_kv_cache(req_to_token[r, dst_pos], req_to_token[r, src_pos])
+    else:
+        raise ValueError(f"unknown impl {impl!r}: expected 'auto', 'triton' or 'torch'")

@@ -1,8 +1,8 @@
 """Spec v1: synchronous EAGLE / EAGLE-3 / STANDALONE rounds (draft tree -> verify -> draft extend -> commit).
 
-One round per request batch (DESIGN §5). The draft KV uses the holey per-branch layout of draft_layout.py
-(degrading to the contiguous layout at P == 1 or K == 1); the target verifies the N tree tokens in the
-contiguous window [L, L+N) of the same rows.
+One round per request batch (docs/design.md, "One round"). The draft KV uses the holey per-branch layout of
+draft_layout.py (degrading to the contiguous layout at P == 1 or K == 1); the target verifies the N tree tokens
+in the contiguous window [L, L+N) of the same rows.
 """
 
 from __future__ import annotations
@@ -13,16 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from treepage.core import Req, StepOutput
+from treepage.layers.forward_batch import CaptureHidden, ForwardMode
 from treepage.layers.sampler import sample
-from treepage.managers.schedule_batch import Req
-from treepage.managers.tp_worker import TpWorker
-from treepage.model_executor.forward_batch import CaptureHidden, ForwardMode
-from treepage.model_executor.model_runner import ModelRunner, kv_bytes_per_token
-from treepage.models.config import ModelConfig
-from treepage.models.loader import load_config
+from treepage.model_executor.model_runner import ModelRunner
+from treepage.model_executor.worker import Worker
 from treepage.server_args import ServerArgs
 from treepage.speculative import draft_layout as dl
-from treepage.speculative.eagle_info_v2 import duplicate_prefix_tail_to_draft_branches
 from treepage.speculative.eagle_tree import build_tree, draft_step_first, draft_step_last, draft_step_next
 from treepage.speculative.eagle_verify import (
     VerifyResult,
@@ -36,19 +33,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SpecState:
-    """Per request, carried between rounds: committed target KV length, the root and the next tree's step 0."""
+    """Per request, carried between rounds and written only by the round that runs (under spec v2 on the forward
+    thread): the committed target KV length as of that round, the root and the next tree's step 0. The
+    scheduler's `Req.kv_committed_len` catches up when the round's StepOutput is handed back."""
 
     committed: int
     root: int
     topk_p: torch.Tensor  # [K]
     topk_index: torch.Tensor  # [K] target ids
     hidden: torch.Tensor  # [H] draft recurrent state of the row that consumed the root
-
-
-@dataclass
-class RoundResult:
-    tokens: list[list[int]]  # emitted per request (accepted drafts + bonus)
-    committed: list[int]  # new committed length per request
 
 
 class SpecDebugCounters:
@@ -75,13 +68,14 @@ class SpecDebugCounters:
         }
 
 
-class EagleWorker(TpWorker):
+class EagleWorker(Worker):
     def __init__(self, args: ServerArgs, target: ModelRunner, draft: ModelRunner) -> None:
-        super().__init__(target)
-        self.args = args
-        self.target = target
+        self.runner = target  # the target model's
         self.draft = draft
-        self.P = args.page_size
+        self.pools = target.pools
+        self.device = target.device
+        assert args.speculative_eagle_topk and args.speculative_num_steps and args.speculative_num_draft_tokens
+        self.P = target.page_size
         self.K = args.speculative_eagle_topk
         self.S = args.speculative_num_steps
         self.N = args.speculative_num_draft_tokens
@@ -91,78 +85,53 @@ class EagleWorker(TpWorker):
         self.states: dict[str, SpecState] = {}
         self.debug = SpecDebugCounters()
 
-    # ---- scheduler hooks --------------------------------------------------------------------------------------
-    def forget(self, rids: list[str]) -> None:
+    # ---- the worker contract ----------------------------------------------------------------------------------
+    def release(self, rids: list[str]) -> None:
         for rid in rids:
             self.states.pop(rid, None)
 
-    def committed_len_for_alloc(self, r: Req) -> int:
-        return r.kv_committed_len
+    def drain(self) -> None:
+        """Rounds are synchronous."""
+
+    def decode(self, reqs: list[Req]) -> list[StepOutput]:
+        return self.run_round(reqs, [r.allocated_len for r in reqs])
+
+    @torch.inference_mode()
+    def prefill(self, reqs: list[Req]) -> list[StepOutput]:
+        ids = [r.all_ids() for r in reqs]
+        rows = [r.row for r in reqs]
+        fb = self.runner.extend_batch(rows, ids, [0] * len(reqs), capture_hidden=self.capture)
+        out = self.runner.forward(fb)
+        assert out.logits is not None
+        first = sample(out.logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
+        shifted = [x[1:] + [t] for x, t in zip(ids, first)]
+        self._draft_extend(reqs, shifted, [0] * len(reqs), out.features)
+        return [StepOutput([t], len(x)) for t, x in zip(first, ids)]
 
     # ---- draft model helpers ----------------------------------------------------------------------------------
-    def _draft_logits_topk(self, hidden: torch.Tensor):
-        logits = self.draft.model.compute_logits(hidden)
-        probs = torch.softmax(logits.float(), dim=-1)
-        p, idx = probs.topk(self.K, dim=-1)
+    def _draft_topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-K draft probabilities and their target token ids."""
+        p, idx = torch.softmax(logits.float(), dim=-1).topk(self.K, dim=-1)
         mapper = getattr(self.draft.model, "map_to_target_ids", None)
         return p, (mapper(idx) if mapper else idx)
 
-    def _features(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.target.model.captured if self.capture != CaptureHidden.NONE else None
-
-    @torch.inference_mode()
-    def _draft_extend(self, reqs, rows, tokens: list[list[int]], prefix: list[int], features) -> None:
+    def _draft_extend(
+        self, reqs: list[Req], tokens: list[list[int]], prefix: list[int], features: torch.Tensor | None
+    ) -> None:
         """Draft consumes (token at p+1, target feature at p) pairs; its last row seeds the next tree."""
-        fb = self.extend_batch(reqs, tokens, prefix)
-        fb.input_hidden = features
-        h = self.draft.model(self._with_draft(fb))
-        last = fb.logits_indices
-        p, idx = self._draft_logits_topk(h[last])
+        fb = self.draft.extend_batch([r.row for r in reqs], tokens, prefix, input_hidden=features)
+        out = self.draft.forward(fb)
+        assert out.logits is not None and fb.logits_indices is not None
+        p, idx = self._draft_topk(out.logits)
+        last = out.hidden[fb.logits_indices]
         for i, r in enumerate(reqs):
-            st = self.states.get(r.rid)
-            root = tokens[i][-1]
             committed = prefix[i] + len(tokens[i])
-            if st is None:
-                self.states[r.rid] = SpecState(committed, root, p[i], idx[i], h[last[i]])
-            else:
-                st.committed, st.root, st.topk_p, st.topk_index, st.hidden = (
-                    committed,
-                    root,
-                    p[i],
-                    idx[i],
-                    h[last[i]],
-                )
-
-    def _with_draft(self, fb):
-        fb.kv_pool = self.draft.kv_pool
-        fb.attn_backend = self.draft.attn_backend
-        self.draft.attn_backend.init_forward_metadata(fb)
-        return fb
-
-    # ---- prefill ----------------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(self, reqs: list[Req]) -> list[list[int]]:
-        ids = [r.all_ids() for r in reqs]
-        fb = self.extend_batch(reqs, ids, [0] * len(reqs))
-        fb.capture_hidden = self.capture
-        _, logits = self.target.forward(fb)
-        features = self._features(None)
-        first = sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
-        shifted = [x[1:] + [t] for x, t in zip(ids, first)]
-        self._draft_extend(reqs, None, shifted, [0] * len(reqs), features)
-        for r, x in zip(reqs, ids):
-            r.kv_committed_len = len(x)
-        return [[t] for t in first]
+            self.states[r.rid] = SpecState(committed, tokens[i][-1], p[i], idx[i], last[i])
 
     # ---- one round ----------------------------------------------------------------------------------------------
-    def decode(self, reqs: list[Req]) -> list[list[int]]:
-        res = self.run_round(reqs, [r.allocated_len for r in reqs])
-        for r, n in zip(reqs, res.committed):
-            r.kv_committed_len = n
-        return res.tokens
-
     @torch.inference_mode()
-    def run_round(self, reqs: list[Req], allocated: list[int]) -> RoundResult:
+    def run_round(self, reqs: list[Req], allocated: list[int]) -> list[StepOutput]:
+        """`allocated`: each row's allocation as the scheduler reserved it for this round."""
         K, S, N, P = self.K, self.S, self.N, self.P
         dev = self.device
         states = [self.states[r.rid] for r in reqs]
@@ -179,7 +148,7 @@ class EagleWorker(TpWorker):
             raise RuntimeError(f"speculative round would touch positions past the allocation: {bad[:4]}")
         out_loc = dl.draft_out_cache_loc(rtt, rows, layout)  # [B, K, S]
         if P > 1 and K > 1:
-            duplicate_prefix_tail_to_draft_branches(self.draft.kv_pool, rtt, rows, layout)
+            dl.duplicate_prefix_tail_to_draft_branches(self.draft.kv_pool, rtt, rows, layout)
 
         # Draft: S steps grow the dynamic tree (S - 1 forwards; step 0 comes from the last draft extend).
         topk_p = torch.stack([s.topk_p for s in states])
@@ -193,14 +162,13 @@ class EagleWorker(TpWorker):
                 positions=(L + i - 1).repeat_interleave(K),
                 out_cache_loc=out_loc[:, :, i - 1].reshape(-1),
                 req_rows=rows,
-                draft_layout=layout,
-                draft_step=i - 1,
-                topk=K,
+                cascade=dl.cascade_plan(rtt, rows, layout, i - 1),
                 input_hidden=hidden,
             )
-            self.draft.attn_backend.init_forward_metadata(fb)
-            h = self.draft.model(fb)
-            p, idx = self._draft_logits_topk(h)
+            out = self.draft.forward(fb)
+            assert out.logits is not None
+            h = out.hidden
+            p, idx = self._draft_topk(out.logits)
             if i < S - 1:
                 ids, hidden = draft_step_next(i, state, p, idx, h)
                 if K > 1:
@@ -212,7 +180,7 @@ class EagleWorker(TpWorker):
 
         # Verify: the target runs the N tree tokens in the window [L, L+N) under the tree mask.
         win = L[:, None] + torch.arange(N, device=dev)[None, :]
-        fb = self.target.make_batch(
+        fb = self.runner.make_batch(
             mode=ForwardMode.TARGET_VERIFY,
             input_ids=tree.draft_tokens.reshape(-1),
             positions=tree.positions.reshape(-1),
@@ -225,8 +193,9 @@ class EagleWorker(TpWorker):
             tree_mask=tree.tree_mask,
             capture_hidden=self.capture,
         )
-        _, logits = self.target.forward(fb)
-        features = self._features(None)
+        verified = self.runner.forward(fb)
+        logits, features = verified.logits, verified.features
+        assert logits is not None
         res = self._verify(reqs, tree, logits)
         a = res.accept_len
         a_cpu = a.tolist()
@@ -239,18 +208,18 @@ class EagleWorker(TpWorker):
         if bool(move.any()):
             src = rtt[rows[:, None], L[:, None] + nodes][move]
             dst = rtt[rows[:, None], L[:, None] + j][move]
-            self.target.kv_pool.move_kv_cache(dst, src)
+            self.runner.kv_pool.move_kv_cache(dst, src)
 
         # Draft extend over the accepted pairs, then commit.
         predict = res.predict
         tokens = [predict[b, : a_cpu[b]].tolist() for b in range(B)]
         feats = features[res.accept_index[valid]] if features is not None else None
-        self._draft_extend(reqs, rows, tokens, L_cpu, feats)
+        self._draft_extend(reqs, tokens, L_cpu, feats)
         self.debug.record(a_cpu, first_branch_of(tree, res.accepted_nodes).tolist())
-        for r, n in zip(reqs, a_cpu):
-            r.spec_verify_ct += 1
-            r.spec_accepted_drafts += n - 1
-        return RoundResult(tokens, [x + n for x, n in zip(L_cpu, a_cpu)])
+        return [StepOutput(t, x + n, verified=True) for t, x, n in zip(tokens, L_cpu, a_cpu)]
+
+    def _tensor(self, data: list[int]) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.int64, device=self.device)
 
     def _regather_lanes(self, out_loc: torch.Tensor, parent_rows: torch.Tensor, step: int) -> None:
         """Give frontier row k the draft KV of its own ancestors: lane k's steps [0, step) := lane parent_rows[k]'s.
@@ -306,30 +275,3 @@ class EagleWorker(TpWorker):
         base = torch.arange(B, device=logits.device)[:, None] * N
         return VerifyResult(torch.where(nodes >= 0, base + nodes, -1), alen, predict, nodes)
 
-
-def build_speculative_worker(args: ServerArgs, config: ModelConfig, dtype: torch.dtype) -> TpWorker:
-    draft_config = load_config(args.speculative_draft_model_path)
-    head = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}.get(
-        args.speculative_algorithm
-    )
-    if head and draft_config.architecture != head:
-        # The original EAGLE-1 releases say "LlamaForCausalLM"; the algorithm flag says what the weights are.
-        draft_config.architecture = head
-    target = ModelRunner(
-        args,
-        args.model_path,
-        dtype,
-        config=config,
-        draft_bytes_per_token=kv_bytes_per_token(draft_config, dtype),
-    )
-    draft = ModelRunner(
-        args, args.speculative_draft_model_path, dtype, pools=target.pools, config=draft_config
-    )
-    if hasattr(draft.model, "bind_target"):
-        draft.model.bind_target(target.model)
-
-    if args.spec_version == 2:
-        from treepage.speculative.eagle_worker_v2 import EagleWorkerV2
-
-        return EagleWorkerV2(args, target, draft)
-    return EagleWorker(args, target, draft)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from treepage.layers.attention.triton_ops import native_compile
-from treepage.layers.attention.triton_ops.native_compile import KERNELS, TARGETS, variants
+from treepage.tools import native_compile
+from treepage.tools.native_compile import KERNELS, TARGETS, variants
 
 
 def run_matrix(matrix: str, out: Path, timeout: float) -> dict:

@@ -22,7 +22,7 @@ from treepage.layers.attention.triton_backend import TritonAttnBackend
 from treepage.layers.attention.triton_ops.cascade_decode import cascade_decode
 from treepage.layers.attention.triton_ops.decode_attention import paged_decode
 from treepage.layers.attention.triton_ops.extend_attention import paged_extend
-from treepage.model_executor.forward_batch import ForwardMode
+from treepage.layers.forward_batch import ForwardMode
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")

@@ -12,9 +12,8 @@ from typing import ClassVar
 
 import torch
 
+from treepage.layers.forward_batch import ForwardBatch, ForwardMode
 from treepage.mem_cache.memory_pool import build_page_table
-from treepage.model_executor.forward_batch import ForwardBatch, ForwardMode
-from treepage.speculative import draft_layout
 
 
 @dataclass
@@ -54,19 +53,16 @@ def build_attention_metadata(fb: ForwardBatch) -> AttentionMetadata:
     """The common read plan; a backend may derive more (split counts, int32 copies) from it."""
     P = fb.page_size
     if fb.mode == ForwardMode.DRAFT_DECODE:
-        layout = fb.draft_layout
-        shared_pt, shared_lens = draft_layout.shared_prefix_page_table(fb.req_to_token, fb.req_rows, layout)
-        branch_pt, branch_lens = draft_layout.branch_page_table(
-            fb.req_to_token, fb.req_rows, layout, fb.draft_step
-        )
+        plan = fb.cascade
+        assert plan is not None, "a draft decode forward needs its cascade plan (speculative/draft_layout.py)"
         return AttentionMetadata(
             mode=fb.mode,
             page_size=P,
-            shared_page_table=shared_pt.to(torch.int32),
-            shared_lens=shared_lens.to(torch.int32),
-            branch_page_table=branch_pt.to(torch.int32),
-            branch_lens=branch_lens.to(torch.int32),
-            topk=layout.topk,
+            shared_page_table=plan.shared_page_table,
+            shared_lens=plan.shared_lens,
+            branch_page_table=plan.branch_page_table,
+            branch_lens=plan.branch_lens,
+            topk=plan.topk,
         )
 
     prefix_cpu = fb.prefix_lens_cpu

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 from treepage.layers.attention.base import AttentionBackend
+from treepage.server_args import ArgumentError
 
 _BACKENDS = {
     "torch_native": ("treepage.layers.attention.torch_native_backend", "TorchNativeAttnBackend"),
@@ -13,13 +14,9 @@ _BACKENDS = {
 }
 
 
-def backend_names() -> list[str]:
-    return list(_BACKENDS)
-
-
 def get_backend_class(name: str) -> type[AttentionBackend]:
     if name not in _BACKENDS:
-        raise ValueError(f"--attention-backend {name!r} is unknown; allowed: {', '.join(_BACKENDS)}")
+        raise ArgumentError(f"--attention-backend {name!r} is unknown; allowed: {', '.join(_BACKENDS)}")
     module, cls = _BACKENDS[name]
     return getattr(importlib.import_module(module), cls)
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from treepage.layers.attention.base import AttentionBackend, AttentionMetadata
-from treepage.model_executor.forward_batch import ForwardMode
+from treepage.layers.forward_batch import ForwardMode
 
 
 def gather_by_page_table(cache: torch.Tensor, page_table: torch.Tensor, page_size: int, max_len: int):

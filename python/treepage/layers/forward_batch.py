@@ -1,10 +1,10 @@
-"""The one object a forward pass receives: what to run, where the KV goes, what to read."""
+"""What a model forward receives (ForwardBatch) and returns (ModelOutput): plain data shared by models and layers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -19,15 +19,32 @@ class ForwardMode(Enum):
     TARGET_VERIFY = auto()  # N tree tokens per request, window [L, L+N) masked by the tree
     DRAFT_DECODE = auto()  # K branch queries per request over the holey draft layout (cascade)
 
-    @property
-    def is_extend_like(self) -> bool:
-        return self in (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
-
 
 class CaptureHidden(Enum):
     NONE = auto()
     LAST = auto()  # final-norm output (EAGLE-1 features)
     AUX = auto()  # residual stream at the inputs of chosen layers (EAGLE-3 features)
+
+
+class ModelOutput(NamedTuple):
+    hidden: torch.Tensor  # [T, H] (a draft head: its recurrent state)
+    features: torch.Tensor | None = None  # [T, F] target features for a draft head (capture_hidden != NONE)
+
+
+@dataclass
+class CascadePlan:
+    """DRAFT_DECODE read plan, built by speculative/draft_layout.py (which knows the holey layout).
+
+    Query row r = b * topk + t. Pass 1 reads the shared whole-page prefix [0, shared_lens[b]) through
+    shared_page_table[b] once per request; pass 2 reads branch r's own positions [0, branch_lens[r]) through
+    branch_page_table[r].
+    """
+
+    shared_page_table: torch.Tensor  # [B, max_shared_pages] int32
+    shared_lens: torch.Tensor  # [B] int32
+    branch_page_table: torch.Tensor  # [B*K, max_branch_pages] int32
+    branch_lens: torch.Tensor  # [B*K] int32
+    topk: int
 
 
 @dataclass
@@ -56,21 +73,11 @@ class ForwardBatch:
     extend_lens_cpu: list[int] | None = None
     # TARGET_VERIFY: tree mask over the window, [B, N, N] bool (row = query node, col = key node)
     tree_mask: torch.Tensor | None = None
-    # DRAFT_DECODE: holey-layout description and the step index
-    draft_layout: Any = None  # speculative.draft_layout.DraftLayout
-    draft_step: int = 0
-    topk: int = 1
+    # DRAFT_DECODE: the cascade read plan of this step
+    cascade: CascadePlan | None = None
     # Which token rows need logits (None = all rows).
     logits_indices: torch.Tensor | None = None
     capture_hidden: CaptureHidden = CaptureHidden.NONE
     # Extra model inputs (EAGLE heads: target features / recurrent state, [T, F]).
     input_hidden: torch.Tensor | None = None
     attn_metadata: AttentionMetadata | None = field(default=None, repr=False)
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.req_rows.shape[0])
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])

@@ -1,4 +1,18 @@
-"""Requests and their sampling parameters: the scheduler's plain data."""
+"""The plain data every layer of the engine shares: a request, its sampling parameters, what a step produced.
+
+Ownership of `Req` fields (one writer each; everyone else only reads):
+
+| field                                   | written by                                             |
+|-----------------------------------------|--------------------------------------------------------|
+| rid, input_ids, sampling, sink, created, generator | `entrypoints/engine.py` (`Engine.submit`), once |
+| row, allocated_len                      | `managers/admission.py` (admit), `managers/decode_planner.py` (reserve, release) |
+| kv_committed_len                        | `managers/scheduler.py`, from each `StepOutput`        |
+| output_ids, finished, first_token_time, spec_verify_ct, spec_accepted_drafts | `managers/output.py` |
+| detok                                   | `managers/output.py` (the request's incremental detokeniser) |
+
+A worker (`model_executor/worker.py`) reads a request and returns `StepOutput`s; state it keeps between rounds
+(a speculative worker's draft state) lives in the worker, keyed by `rid`, never on the request.
+"""
 
 from __future__ import annotations
 
@@ -62,7 +76,7 @@ class FinishReason:
     matched: int | str | None = None
     message: str | None = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"type": self.type}
         if self.type == "stop":
             d["matched"] = self.matched
@@ -74,27 +88,31 @@ class FinishReason:
 
 
 @dataclass
+class StepOutput:
+    """What a worker hands back for one request after a prefill or a decode round."""
+
+    tokens: list[int]  # new tokens, in order (empty while an overlapped round is still in flight)
+    committed_len: int  # positions whose target KV is final once these tokens are appended
+    verified: bool = False  # the tokens come from a speculative verify round
+
+
+@dataclass
 class Req:
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
-    sink: Callable[[dict], None]  # receives cumulative output snapshots (called from the scheduler thread)
+    sink: Callable[[dict[str, Any]], None]  # receives output deltas (called from the scheduler thread)
     output_ids: list[int] = field(default_factory=list)
     row: int = -1  # req_to_token row, -1 when not resident
     allocated_len: int = 0  # row positions [0, allocated_len) hold slots owned by this request
     kv_committed_len: int = 0  # positions whose target KV is final
     finished: FinishReason | None = None
-    aborted: bool = False
-    text: str = ""
     generator: torch.Generator | None = None
     created: float = 0.0
     first_token_time: float | None = None
-    # Speculative state (per request, between rounds)
     spec_verify_ct: int = 0
     spec_accepted_drafts: int = 0
-    draft_topk_p: torch.Tensor | None = None  # [K]
-    draft_topk_index: torch.Tensor | None = None  # [K]
-    draft_hidden: torch.Tensor | None = None  # [H]
+    detok: Any = None  # managers.detokenizer.IncrementalDetokenizer, created at the first output
 
     @property
     def seq_len(self) -> int:

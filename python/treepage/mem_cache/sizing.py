@@ -1,4 +1,5 @@
-"""Allocation sizing for decode rounds (DESIGN section 3): how much KV a round may touch and how wide rows are.
+"""Decode-round sizing and reservation (docs/design.md, "Memory model"): how much KV a round may touch, how wide
+rows are, and growing rows before a round, under the always-on row-width check.
 
 `args` is any object with speculative_algorithm (None or "NONE" = off), page_size, speculative_eagle_topk,
 speculative_num_steps, speculative_num_draft_tokens and optionally disable_overlap_schedule.
@@ -8,6 +9,9 @@ from __future__ import annotations
 
 import os
 from typing import Any
+
+from treepage.mem_cache.allocator import PagedAllocator
+from treepage.mem_cache.memory_pool import ReqToTokenPool, grow_row
 
 NARROW_ROWS_ENV = "TREEPAGE_DEBUG_NARROW_ROWS"
 
@@ -70,3 +74,54 @@ def get_row_width_extra(args: Any) -> int:
 
 def get_row_width(context_len: int, args: Any) -> int:
     return context_len + get_row_width_extra(args)
+
+
+class RowWidthError(RuntimeError):
+    """A round would write past the end of a request's req_to_token row (and spill into its neighbour)."""
+
+
+def check_row_width(
+    nxt: list[int],
+    row_width: int,
+    page_size: int,
+    topk: int,
+    num_steps: int,
+    num_draft_tokens: int,
+) -> None:
+    """The always-on invariant: no round may allocate past the row end (the write would spill and leak)."""
+    top = max(nxt, default=0)
+    if top > row_width:
+        raise RowWidthError(
+            f"decode reserve needs row length nxt={top} but req_to_token rows are {row_width} wide "
+            f"(page_size={page_size}, topk={topk}, num_steps={num_steps}, num_draft_tokens={num_draft_tokens}); "
+            f"writing it would spill into the neighbour row and leak KV pages. Rows are sized by "
+            f"get_row_width: unset {NARROW_ROWS_ENV} or raise the --context-length headroom."
+        )
+
+
+def reserve_decode_slots(
+    req_to_token_pool: ReqToTokenPool,
+    allocator: PagedAllocator,
+    rows: list[int],
+    allocated: list[int],
+    committed: list[int],
+    reserve: int,
+    page_size: int,
+    spec_desc: tuple[int, int, int],
+) -> list[int] | None:
+    """Grow every row to max(allocated, ceil_to_page(committed + reserve)); new allocated lengths, or None.
+
+    The row width is checked for the whole batch before any write, and the page count before any allocation,
+    so a refusal leaves nothing half-allocated.
+    """
+    P = page_size
+    nxt = [next_alloc_target(a, c, reserve, P) for a, c in zip(allocated, committed)]
+    K, S, N = spec_desc
+    check_row_width(nxt, req_to_token_pool.row_width, P, K, S, N)
+    need = sum(ceil_div(n, P) - ceil_div(a, P) for a, n in zip(allocated, nxt))
+    if need > allocator.num_free_pages():
+        return None
+    for row, a, n in zip(rows, allocated, nxt):
+        ok = grow_row(req_to_token_pool, allocator, row, a, n)
+        assert ok, "page count was checked above"
+    return nxt

@@ -1,0 +1,34 @@
+"""The scheduler <-> worker contract. The scheduler calls these four methods and nothing else.
+
+Memory is the scheduler's: before `prefill` / `decode` it has grown every request's row to cover what the
+step may touch (`mem_cache/sizing.py`); a worker writes KV only inside [0, req.allocated_len) of each row.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from treepage.core import Req, StepOutput
+from treepage.model_executor.model_runner import ModelRunner, SharedPools
+
+
+class Worker(ABC):
+    runner: ModelRunner  # the target model's
+    pools: SharedPools
+    overlap: bool = False  # rounds may still run after decode() returns (spec v2): drain() before freeing
+
+    @abstractmethod
+    def prefill(self, reqs: list[Req]) -> list[StepOutput]:
+        """Run the prompts (all of req.all_ids()) and return each request's first token."""
+
+    @abstractmethod
+    def decode(self, reqs: list[Req]) -> list[StepOutput]:
+        """One decode step or speculative round for the batch."""
+
+    @abstractmethod
+    def release(self, rids: list[str]) -> None:
+        """Forget the per-request state of finished, aborted or retracted requests (drains first)."""
+
+    @abstractmethod
+    def drain(self) -> None:
+        """Wait for any in-flight round; afterwards no forward touches memory until the next call."""
