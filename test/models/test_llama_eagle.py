@@ -110,10 +110,8 @@ class DraftKV:
             kv_pool=self.pool,
             attn_backend=self.backend,
             page_size=1,
-            prefix_lens=torch.tensor([start]),
-            extend_lens=torch.tensor([T]),
-            prefix_lens_cpu=[start],
-            extend_lens_cpu=[T],
+            prefix_lens=[start],
+            extend_lens=[T],
             input_hidden=hidden,
         )
         self.backend.init_forward_metadata(fb)

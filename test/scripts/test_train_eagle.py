@@ -38,10 +38,8 @@ def run_extend(model, pool: KVPool, ids: torch.Tensor, hidden, start: int, captu
         kv_pool=pool,
         attn_backend=backend,
         page_size=1,
-        prefix_lens=torch.tensor([start]),
-        extend_lens=torch.tensor([T]),
-        prefix_lens_cpu=[start],
-        extend_lens_cpu=[T],
+        prefix_lens=[start],
+        extend_lens=[T],
         input_hidden=hidden,
         capture_hidden=capture,
     )

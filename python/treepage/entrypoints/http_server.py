@@ -487,7 +487,7 @@ def create_app(engine: Engine) -> FastAPI:
         )
         try:
             finals = await asyncio.wait_for(_collect(subs), HEALTH_TIMEOUT_S)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # an alias of TimeoutError only from Python 3.11 on  # noqa: UP041
             return Response(status_code=503)
         return Response(status_code=503 if _abort_error(finals[0]) else 200)
 

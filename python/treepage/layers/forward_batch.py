@@ -64,13 +64,10 @@ class ForwardBatch:
     kv_pool: KVPool
     attn_backend: AttentionBackend
     page_size: int
-    # EXTEND: per-request cached-prefix length and number of new tokens (kv_len = prefix + extend)
-    # DECODE: extend_lens == 1, prefix_lens = kv_len - 1
-    # TARGET_VERIFY: prefix_lens = L (committed), extend_lens == N
-    prefix_lens: torch.Tensor | None = None  # [B] int64
-    extend_lens: torch.Tensor | None = None  # [B] int64
-    prefix_lens_cpu: list[int] | None = None
-    extend_lens_cpu: list[int] | None = None
+    # Host lists, per request. EXTEND: cached-prefix length and number of new tokens (kv_len = prefix + extend);
+    # DECODE: extend == 1, prefix = kv_len - 1; TARGET_VERIFY: prefix = L (committed), extend == N.
+    prefix_lens: list[int] | None = None
+    extend_lens: list[int] | None = None
     # TARGET_VERIFY: tree mask over the window, [B, N, N] bool (row = query node, col = key node)
     tree_mask: torch.Tensor | None = None
     # DRAFT_DECODE: the cascade read plan of this step

@@ -186,10 +186,8 @@ class EagleWorker(Worker):
             positions=tree.positions.reshape(-1),
             out_cache_loc=rtt[rows[:, None], win].reshape(-1),
             req_rows=rows,
-            prefix_lens=L,
-            extend_lens=torch.full((B,), N, dtype=torch.int64, device=dev),
-            prefix_lens_cpu=L_cpu,
-            extend_lens_cpu=[N] * B,
+            prefix_lens=L_cpu,
+            extend_lens=[N] * B,
             tree_mask=tree.tree_mask,
             capture_hidden=self.capture,
         )

@@ -65,8 +65,8 @@ def build_attention_metadata(fb: ForwardBatch) -> AttentionMetadata:
             topk=plan.topk,
         )
 
-    prefix_cpu = fb.prefix_lens_cpu
-    extend_cpu = fb.extend_lens_cpu
+    prefix_cpu = fb.prefix_lens
+    extend_cpu = fb.extend_lens
     assert prefix_cpu is not None and extend_cpu is not None, "extend-like forward needs host lengths"
     kv_cpu = [p + e for p, e in zip(prefix_cpu, extend_cpu)]
     device = fb.input_ids.device

@@ -1,4 +1,4 @@
-"""Two-pass cascade draft decode over the holey per-branch layout (DESIGN.md section 4).
+"""Two-pass cascade draft decode over the holey per-branch layout (docs/design.md, "Holey layout").
 
 Query row r = b * K + t. Pass 1: one program per (request, kv head, split) reads each page of the shared prefix
 [0, shared_lens[b]) once and scores it against all K * group query rows of the request. Pass 2: one program
