@@ -27,6 +27,7 @@ class ServerArgs:
     max_queued_requests: int | None = None
     max_total_tokens: int | None = None
     max_prefill_tokens: int = 16384
+    chunked_prefill_size: int | None = None  # None: 8192 on CUDA, 512 on CPU; -1 or 0: never chunk
     mem_fraction_static: float | None = None
     cpu_kv_cache_gb: float = 1.0
     random_seed: int | None = None
@@ -92,6 +93,7 @@ def make_parser() -> argparse.ArgumentParser:
     a("--max-queued-requests", type=_positive_int("--max-queued-requests"), default=None)
     a("--max-total-tokens", type=_positive_int("--max-total-tokens"), default=None)
     a("--max-prefill-tokens", type=_positive_int("--max-prefill-tokens"), default=16384)
+    a("--chunked-prefill-size", type=int, default=None, help="prefill long prompts in chunks of this many tokens")
     a("--mem-fraction-static", type=float, default=None)
     a(
         "--cpu-kv-cache-gb",

@@ -45,6 +45,11 @@ def resolve_server_args(args: ServerArgs, architecture: str = "LlamaForCausalLM"
     if args.cpu_kv_cache_gb <= 0:
         raise ArgumentError(f"--cpu-kv-cache-gb must be > 0, got {args.cpu_kv_cache_gb}")
     resolve_speculative(args, architecture)
+    if args.chunked_prefill_size is None:
+        # One chunk is the longest a long prompt may stall the running requests' decode.
+        args.chunked_prefill_size = 8192 if args.device == "cuda" else 512
+    elif args.chunked_prefill_size <= 0:
+        args.chunked_prefill_size = -1
     if args.max_running_requests is None:
         args.max_running_requests = 32
     return args

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from treepage.core import Req
+
 GREEDY_TEMPERATURE_EPS = 1e-6  # temperatures at or below this are greedy requests
 
 
@@ -57,3 +59,16 @@ def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator 
         if not p.greedy:
             out[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
     return out
+
+
+def sample_last(logits: torch.Tensor, reqs: list[Req], ends: list[int]) -> list[int | None]:
+    """The next token of each request whose prefill reached its end; None for a chunk that did not (no random
+    numbers are drawn for it, so chunking does not change a seeded request's samples)."""
+    done = [i for i, (r, e) in enumerate(zip(reqs, ends)) if e == r.seq_len]
+    if not done:
+        return [None] * len(reqs)
+    picked = sample(logits[done], [reqs[i].sampling for i in done], [reqs[i].generator for i in done]).tolist()
+    toks: list[int | None] = [None] * len(reqs)
+    for i, t in zip(done, picked):
+        toks[i] = t
+    return toks

@@ -1,4 +1,8 @@
-"""Admission: which waiting requests to prefill now, given pages, rows and the prefill token budget."""
+"""Admission: which waiting requests to prefill now, given pages, rows and the prefill token budget.
+
+A request longer than the chunk size is admitted alone and prefilled in chunks (`Scheduler._run_prefill`), so a
+long prompt stalls the running requests' decode for one chunk at a time, not for its whole prefill.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +15,14 @@ from treepage.model_executor.model_runner import SharedPools
 
 
 class Admission:
-    def __init__(self, pools: SharedPools, reserve: int, page_size: int, max_prefill_tokens: int) -> None:
+    def __init__(
+        self, pools: SharedPools, reserve: int, page_size: int, max_prefill_tokens: int, chunk_size: int
+    ) -> None:
         self.pools = pools
         self.reserve = reserve  # KV one decode round may need beyond the committed length
         self.page_size = page_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunk_size = chunk_size  # -1: never chunk
 
     def pages_for(self, n_tokens: int) -> int:
         return ceil_div(n_tokens, self.page_size)
@@ -34,7 +41,7 @@ class Admission:
         while waiting and num_running + len(admitted) < max_running:
             req = waiting[0]
             n = req.seq_len
-            if admitted and n > budget:
+            if admitted and (n > budget or self.chunked(n)):
                 break
             need = self.pages_for(n + self.reserve) + 1
             if need + reserved_pages > allocator.num_free_pages():
@@ -54,4 +61,15 @@ class Admission:
             reserved_pages += need
             budget -= n
             admitted.append(req)
+            if self.chunked(n):
+                break
         return admitted, too_large
+
+    def chunked(self, n_tokens: int) -> bool:
+        return 0 < self.chunk_size < n_tokens
+
+    def chunk_end(self, r: Req) -> int:
+        """Where this step's prefill of `r` stops: its end, or one chunk on."""
+        if self.chunk_size <= 0:
+            return r.seq_len
+        return min(r.seq_len, r.kv_committed_len + self.chunk_size)

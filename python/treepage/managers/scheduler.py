@@ -1,7 +1,8 @@
 """Continuous batching: the loop that owns the queues and calls the worker (docs/design.md, "How a request flows").
 
-Each step: take new requests and aborts, then prefill what `Admission` admits, or else run one decode round for
-the running batch after `DecodePlanner` reserved its KV (retracting the newest request when pages run out). The
+Each step: take new requests and aborts, then prefill what `Admission` admits (a long prompt one chunk per step,
+alternating with decode rounds), or else run one decode round for the running batch after `DecodePlanner`
+reserved its KV (retracting the newest request when pages run out). The
 `OutputProcessor` appends tokens, stops requests and streams; finished requests are released, then delivered.
 """
 
@@ -54,13 +55,17 @@ class Scheduler:
             args.speculative_num_steps or 0,
             args.speculative_num_draft_tokens or 0,
         )
-        self.admission = Admission(pools, reserve, args.page_size, args.max_prefill_tokens)
+        self.admission = Admission(
+            pools, reserve, args.page_size, args.max_prefill_tokens, args.chunked_prefill_size or -1
+        )
         self.planner = DecodePlanner(pools, reserve, args.page_size, spec_desc)
         self.output = OutputProcessor(tokenizer, set(eos_ids), pools.context_len, self._count_tokens)
         self.strict = os.environ.get("TREEPAGE_STRICT_MEM_CHECK", "0") == "1"
         self.inbox: queue.Queue[Req] = queue.Queue()
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        self.prefilling: Req | None = None  # a long prompt between two chunks of its prefill
+        self._chunk_ran_last = False  # chunks and decode rounds alternate while running requests wait
         self.aborts: set[str] = set()
         self.stats = SchedulerStats()
         self._lock = threading.Lock()
@@ -89,7 +94,7 @@ class Scheduler:
         self._wake.set()
 
     def is_idle(self) -> bool:
-        return not self.running and not self.waiting and self.inbox.empty()
+        return not self.running and not self.waiting and self.prefilling is None and self.inbox.empty()
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def run_forever(self) -> None:
@@ -107,12 +112,16 @@ class Scheduler:
     def step(self) -> bool:
         self._drain_inbox()
         self._apply_aborts()
-        admitted, too_large = self.admission.admit(
-            self.waiting, len(self.running), self.args.max_running_requests or 1
-        )
-        for r, msg in too_large:
-            self.output.finish(r, FinishReason("abort", message=msg))
-        if admitted:
+        admitted: list[Req] = []
+        if self.prefilling is None:
+            admitted, too_large = self.admission.admit(
+                self.waiting, len(self.running), self.args.max_running_requests or 1
+            )
+            for r, msg in too_large:
+                self.output.finish(r, FinishReason("abort", message=msg))
+        if self.prefilling is not None and not (self.running and self._chunk_ran_last):
+            self._run_prefill([self.prefilling])
+        elif admitted:
             self._run_prefill(admitted)
         elif self.running:
             self._run_decode()
@@ -136,7 +145,7 @@ class Scheduler:
     def _apply_aborts(self) -> None:
         with self._lock:
             aborts, self.aborts = self.aborts, set()
-        hit = [r for r in [*self.waiting, *self.running] if r.rid in aborts]
+        hit = [r for r in [*self.waiting, *self._resident()] if r.rid in aborts]
         if hit:
             self._remove(hit, FinishReason("abort", message="aborted by client"))
 
@@ -149,18 +158,28 @@ class Scheduler:
         gone = {id(r) for r in reqs}
         self.waiting = deque(r for r in self.waiting if id(r) not in gone)
         self.running = [r for r in self.running if id(r) not in gone]
+        if self.prefilling is not None and id(self.prefilling) in gone:
+            self.prefilling = None
         for r in reqs:
             self.planner.release(r)
             self.output.finish(r, reason if r.finished is None else None)
 
     # ---- prefill and decode -----------------------------------------------------------------------------------
+    def _resident(self) -> list[Req]:
+        return self.running + ([self.prefilling] if self.prefilling is not None else [])
+
     def _run_prefill(self, reqs: list[Req]) -> None:
-        outs = self.worker.prefill(reqs)
-        for r, out in zip(reqs, outs):
+        ends = [self.admission.chunk_end(r) for r in reqs]
+        self.prefilling = None
+        for r, out, end in zip(reqs, self.worker.prefill(reqs, ends), ends):
+            r.kv_committed_len = out.committed_len
+            if end < r.seq_len:
+                self.prefilling = r
+                continue
             self.stats.prompt_tokens_total += len(r.input_ids)
             self.running.append(r)
-            r.kv_committed_len = out.committed_len
             self.output.append(r, out)
+        self._chunk_ran_last = self.admission.chunked(max(r.seq_len for r in reqs))
         self._reap()
 
     def _run_decode(self) -> None:
@@ -170,6 +189,7 @@ class Scheduler:
         for r, out in zip(reqs, self.worker.decode(reqs)):
             r.kv_committed_len = out.committed_len
             self.output.append(r, out)
+        self._chunk_ran_last = False
         self._reap()
 
     def _reserve_round(self) -> list[Req]:
@@ -184,15 +204,18 @@ class Scheduler:
                     logger.error("request %s stopped: %s", r.rid, msg)
                     self._remove([r], FinishReason("abort", message=msg))
                 continue
-            self._retract(self.planner.pick_victim(self.running))
+            self._retract(self.planner.pick_victim(self._resident()))
         return []
 
     def _retract(self, victim: Req) -> None:
-        if len(self.running) == 1:
+        if len(self._resident()) == 1:
             self._remove([victim], FinishReason("abort", message="out of KV memory: raise --max-total-tokens"))
             return
         self.worker.release([victim.rid])
-        self.running.remove(victim)
+        if victim is self.prefilling:
+            self.prefilling = None
+        else:
+            self.running.remove(victim)
         self.planner.release(victim)
         self.stats.num_retracted += 1
         logger.info("retracting %s (out of KV pages); it will be prefilled again", victim.rid)
@@ -207,9 +230,10 @@ class Scheduler:
     def check_memory(self, full: bool = True) -> None:
         """Pages and rows in use == those held by resident requests (zero when idle). Runs on every idle tick
         (O(1)); the full structural scan runs there and after every step under TREEPAGE_STRICT_MEM_CHECK=1."""
-        held = sum(self.admission.pages_for(r.allocated_len) for r in self.running)
+        resident = self._resident()
+        held = sum(self.admission.pages_for(r.allocated_len) for r in resident)
         self.allocator.check_leak(expected_used=held, full=full)
-        self.req_pool.check_leak(expected_used=len(self.running), full=full)
+        self.req_pool.check_leak(expected_used=len(resident), full=full)
 
     def _count_tokens(self, n: int) -> None:
         self.stats.gen_tokens_total += n

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from treepage.core import Req, StepOutput
 from treepage.layers.forward_batch import ForwardMode
-from treepage.layers.sampler import sample
-from treepage.model_executor.model_runner import ForwardOutput, ModelRunner
+from treepage.layers.sampler import sample, sample_last
+from treepage.model_executor.model_runner import ModelRunner
 from treepage.model_executor.worker import Worker
 
 
@@ -14,16 +14,23 @@ class TpWorker(Worker):
         self.runner = runner
         self.pools = runner.pools
 
-    def prefill(self, reqs: list[Req]) -> list[StepOutput]:
-        fb = self.runner.extend_batch([r.row for r in reqs], [r.all_ids() for r in reqs], [0] * len(reqs))
-        return self._sample(reqs, self.runner.forward(fb), [r.seq_len for r in reqs])
+    def prefill(self, reqs: list[Req], ends: list[int]) -> list[StepOutput]:
+        starts = [r.kv_committed_len for r in reqs]
+        ids = [r.all_ids()[a:e] for r, a, e in zip(reqs, starts, ends)]
+        out = self.runner.forward(self.runner.extend_batch([r.row for r in reqs], ids, starts))
+        assert out.logits is not None
+        toks = sample_last(out.logits, reqs, ends)
+        return [StepOutput([t] if t is not None else [], e) for t, e in zip(toks, ends)]
 
     def decode(self, reqs: list[Req]) -> list[StepOutput]:
         lens = [r.seq_len for r in reqs]
         fb = self.runner.extend_batch(
             [r.row for r in reqs], [[r.output_ids[-1]] for r in reqs], [n - 1 for n in lens], ForwardMode.DECODE
         )
-        return self._sample(reqs, self.runner.forward(fb), lens)
+        out = self.runner.forward(fb)
+        assert out.logits is not None
+        toks = sample(out.logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
+        return [StepOutput([t], n) for t, n in zip(toks, lens)]
 
     def release(self, rids: list[str]) -> None:
         """Nothing is kept between steps."""
@@ -31,7 +38,3 @@ class TpWorker(Worker):
     def drain(self) -> None:
         """Steps are synchronous."""
 
-    def _sample(self, reqs: list[Req], out: ForwardOutput, committed: list[int]) -> list[StepOutput]:
-        assert out.logits is not None
-        toks = sample(out.logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
-        return [StepOutput([t], n) for t, n in zip(toks, committed)]

@@ -18,8 +18,10 @@ class Worker(ABC):
     overlap: bool = False  # rounds may still run after decode() returns (spec v2): drain() before freeing
 
     @abstractmethod
-    def prefill(self, reqs: list[Req]) -> list[StepOutput]:
-        """Run the prompts (all of req.all_ids()) and return each request's first token."""
+    def prefill(self, reqs: list[Req], ends: list[int]) -> list[StepOutput]:
+        """Run positions [req.kv_committed_len, end) of each request's ids (prompt and any earlier output). A
+        request whose end is its seq_len gets its next token; an earlier end is one chunk of a chunked prefill
+        (no token, committed length = end)."""
 
     @abstractmethod
     def decode(self, reqs: list[Req]) -> list[StepOutput]:

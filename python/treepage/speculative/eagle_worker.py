@@ -15,7 +15,7 @@ import torch
 
 from treepage.core import Req, StepOutput
 from treepage.layers.forward_batch import CaptureHidden, ForwardMode
-from treepage.layers.sampler import sample
+from treepage.layers.sampler import sample_last
 from treepage.model_executor.model_runner import ModelRunner
 from treepage.model_executor.worker import Worker
 from treepage.server_args import ServerArgs
@@ -97,16 +97,19 @@ class EagleWorker(Worker):
         return self.run_round(reqs, [r.allocated_len for r in reqs])
 
     @torch.inference_mode()
-    def prefill(self, reqs: list[Req]) -> list[StepOutput]:
+    def prefill(self, reqs: list[Req], ends: list[int]) -> list[StepOutput]:
+        """Target forward over each chunk, then the draft extend over the same positions: the draft's input at
+        position p is token p + 1, which is the prompt's next token, or the sampled one at the end of the ids."""
+        starts = [r.kv_committed_len for r in reqs]
         ids = [r.all_ids() for r in reqs]
-        rows = [r.row for r in reqs]
-        fb = self.runner.extend_batch(rows, ids, [0] * len(reqs), capture_hidden=self.capture)
+        chunks = [x[a:e] for x, a, e in zip(ids, starts, ends)]
+        fb = self.runner.extend_batch([r.row for r in reqs], chunks, starts, capture_hidden=self.capture)
         out = self.runner.forward(fb)
         assert out.logits is not None
-        first = sample(out.logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
-        shifted = [x[1:] + [t] for x, t in zip(ids, first)]
-        self._draft_extend(reqs, shifted, [0] * len(reqs), out.features)
-        return [StepOutput([t], len(x)) for t, x in zip(first, ids)]
+        first = sample_last(out.logits, reqs, ends)
+        nxt = [(x + ([t] if t is not None else []))[a + 1 : e + 1] for x, t, a, e in zip(ids, first, starts, ends)]
+        self._draft_extend(reqs, nxt, starts, out.features)
+        return [StepOutput([t] if t is not None else [], e) for t, e in zip(first, ends)]
 
     # ---- draft model helpers ----------------------------------------------------------------------------------
     def _draft_topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,9 +44,9 @@ class EagleWorkerV2(EagleWorker):
             return [StepOutput([], r.kv_committed_len) for r in reqs]
         return prev[1].result()
 
-    def prefill(self, reqs: list[Req]) -> list[StepOutput]:
+    def prefill(self, reqs: list[Req], ends: list[int]) -> list[StepOutput]:
         self.drain()
-        return super().prefill(reqs)
+        return super().prefill(reqs, ends)
 
     def release(self, rids: list[str]) -> None:
         self.drain()
