@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import _save_tiny_llama
+from treepage.models.config import ModelConfig
 
 
 def make_sharp_target(out_dir: str, seed: int = 0, num_layers: int = 4, sharpen: float = 4.0) -> str:
@@ -34,8 +35,7 @@ def make_perturbed_copy(target_dir: str, out_dir: str, noise: float, seed: int =
 
 
 def make_eagle_head(target_dir: str, out_dir: str, algorithm: str, seed: int = 0) -> str:
-    from treepage.models.config import ModelConfig  # noqa: F401  (imported for type clarity)
-    from treepage.models.eagle_checkpoint import random_eagle_head, save_eagle_head
+    from treepage.models.eagle_checkpoint import save_eagle_head
     from treepage.models.loader import load_config
 
     cfg, state = random_eagle_head(load_config(target_dir), algorithm, seed=seed)
@@ -44,3 +44,30 @@ def make_eagle_head(target_dir: str, out_dir: str, algorithm: str, seed: int = 0
         if name.startswith("tokenizer") or name == "special_tokens_map.json":
             shutil.copy(os.path.join(target_dir, name), out_dir)
     return out_dir
+
+
+def random_eagle_head(
+    target_config: ModelConfig,
+    algorithm: str,
+    draft_vocab_size: int | None = None,
+    seed: int = 0,
+    bias: bool | None = None,
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A random head (fp32) in the released layout; an EAGLE-3 draft vocab is a random sorted subset of ids."""
+    from treepage.models.eagle_checkpoint import draft_vocab_maps, head_config_dict, head_tensor_shapes
+
+    cfg = head_config_dict(target_config, algorithm, draft_vocab_size, bias)
+    g = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in head_tensor_shapes(cfg).items():
+        if len(shape) == 1 and name.endswith("norm.weight"):
+            state[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif len(shape) == 1:
+            state[name] = 0.1 * torch.randn(shape, generator=g)
+        else:
+            state[name] = torch.randn(shape, generator=g) / shape[1] ** 0.5
+    if algorithm == "EAGLE3":
+        V, Vd = cfg["vocab_size"], cfg["draft_vocab_size"]
+        hot = torch.sort(torch.randperm(V, generator=g)[:Vd]).values
+        state["d2t"], state["t2d"] = draft_vocab_maps(hot, V)
+    return cfg, state

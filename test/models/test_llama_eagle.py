@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spec_utils import random_eagle_head
 from treepage.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from treepage.layers.forward_batch import ForwardBatch, ForwardMode
 from treepage.mem_cache.memory_pool import KVPool
@@ -13,7 +14,6 @@ from treepage.models.eagle_checkpoint import (
     draft_vocab_maps,
     eagle_head_from_target,
     hot_ids_from_counts,
-    random_eagle_head,
     save_eagle_head,
 )
 from treepage.models.llama import LlamaForCausalLM

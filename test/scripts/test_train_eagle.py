@@ -11,11 +11,11 @@ import torch
 import train_eagle as te
 from safetensors.torch import load_file
 
+from spec_utils import random_eagle_head
 from treepage.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from treepage.layers.forward_batch import CaptureHidden, ForwardBatch, ForwardMode
 from treepage.mem_cache.memory_pool import KVPool
 from treepage.models.config import ModelConfig
-from treepage.models.eagle_checkpoint import random_eagle_head
 from treepage.models.llama import LlamaForCausalLM
 from treepage.models.llama_eagle import LlamaForCausalLMEagle
 from treepage.models.llama_eagle3 import LlamaForCausalLMEagle3

@@ -8,6 +8,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,32 +37,23 @@ def asyncio_sink(loop: asyncio.AbstractEventLoop, q: asyncio.Queue):
     return sink
 
 
+@dataclass
 class CumulativeOutput:
-    """Consumer side of a request's output deltas: the cumulative snapshot `{"rid", "text", "output_ids",
-    "finished", "meta_info"}` that the APIs return."""
+    """Consumer side of a request's output deltas: the cumulative snapshot the APIs return."""
 
-    def __init__(self) -> None:
-        self.rid = ""
-        self.text = ""
-        self.output_ids: list[int] = []
-        self.finished = False
-        self.meta_info: dict[str, Any] = {}
+    rid: str = ""
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    meta_info: dict[str, Any] = field(default_factory=dict)
 
     def add(self, delta: dict[str, Any]) -> None:
-        self.rid = delta["rid"]
+        self.rid, self.finished, self.meta_info = delta["rid"], delta["finished"], delta["meta_info"]
         self.text += delta["text_delta"]
         self.output_ids += delta["ids_delta"]
-        self.finished = delta["finished"]
-        self.meta_info = delta["meta_info"]
 
     def snapshot(self) -> dict[str, Any]:
-        return {
-            "rid": self.rid,
-            "text": self.text,
-            "output_ids": list(self.output_ids),
-            "finished": self.finished,
-            "meta_info": self.meta_info,
-        }
+        return {**vars(self), "output_ids": list(self.output_ids)}
 
 
 class Engine:

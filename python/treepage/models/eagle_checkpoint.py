@@ -114,31 +114,6 @@ def hot_ids_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> torch.Te
     return torch.sort(order[:draft_vocab_size]).values
 
 
-def random_eagle_head(
-    target_config: ModelConfig,
-    algorithm: Algorithm,
-    draft_vocab_size: int | None = None,
-    seed: int = 0,
-    bias: bool | None = None,
-) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A random head (fp32) in the released layout; an EAGLE-3 draft vocab is a random sorted subset of ids."""
-    cfg = head_config_dict(target_config, algorithm, draft_vocab_size, bias)
-    g = torch.Generator().manual_seed(seed)
-    state: dict[str, torch.Tensor] = {}
-    for name, shape in head_tensor_shapes(cfg).items():
-        if len(shape) == 1 and name.endswith("norm.weight"):
-            state[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
-        elif len(shape) == 1:
-            state[name] = 0.1 * torch.randn(shape, generator=g)
-        else:
-            state[name] = torch.randn(shape, generator=g) / shape[1] ** 0.5
-    if algorithm == "EAGLE3":
-        V, Vd = cfg["vocab_size"], cfg["draft_vocab_size"]
-        hot = torch.sort(torch.randperm(V, generator=g)[:Vd]).values
-        state["d2t"], state["t2d"] = draft_vocab_maps(hot, V)
-    return cfg, state
-
-
 def eagle_head_from_target(
     target_state: dict[str, torch.Tensor],
     target_config: ModelConfig,
