@@ -10,18 +10,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True)
+def _check(*args: str) -> None:
+    r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.fail(f"{' '.join(args)} exited {r.returncode}:\n{r.stdout}{r.stderr}", pytrace=False)
 
 
 def test_ruff_clean() -> None:
-    r = _run("ruff", "check", "python", "test", "benchmark", "scripts")
-    assert r.returncode == 0, r.stdout + r.stderr
+    _check("ruff", "check", "python", "test", "benchmark", "scripts")
 
 
 def test_mypy_clean() -> None:
-    r = _run("mypy")  # files and strictness come from [tool.mypy] in pyproject.toml
-    assert r.returncode == 0, r.stdout + r.stderr
+    _check("mypy")  # files and strictness come from [tool.mypy] in pyproject.toml

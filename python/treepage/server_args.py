@@ -59,7 +59,8 @@ class ArgumentError(ValueError):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # argparse prints usage and exits 2; keep that, with our prefix
+    # argparse prints usage and exits 2; keep that, with our prefix
+    def error(self, message: str) -> NoReturn:
         self.print_usage()
         self.exit(2, f"treepage.launch_server: error: {message}\n")
 

@@ -199,7 +199,12 @@ def _tail_dup(dtype: str, page: int, slot: int, ints: str) -> Variant:
     return Variant("tail_dup", tuple(spec.items()), args, params)
 
 
-_BUILDERS: dict[str, Callable[..., Variant]] = {"decode_partial": _decode, "extend": _extend, "merge": _merge, "tail_dup": _tail_dup}
+_BUILDERS: dict[str, Callable[..., Variant]] = {
+    "decode_partial": _decode,
+    "extend": _extend,
+    "merge": _merge,
+    "tail_dup": _tail_dup,
+}
 
 
 def _features(v: Variant, strength: int) -> set[tuple]:
