@@ -29,8 +29,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# test/test_lint.py runs the same two checks inside `make test`, so CI enforces them.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check python test benchmark scripts
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "STANDALONE")
@@ -57,12 +59,13 @@ class ArgumentError(ValueError):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse prints usage and exits 2; keep that, with our prefix
+    # argparse prints usage and exits 2; keep that, with our prefix
+    def error(self, message: str) -> NoReturn:
         self.print_usage()
         self.exit(2, f"treepage.launch_server: error: {message}\n")
 
 
-def _positive_int(name: str):
+def _positive_int(name: str) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text.replace("_", ""))

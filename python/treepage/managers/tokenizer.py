@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
 from treepage.models.config import ModelConfig
 from treepage.models.loader import resolve_checkpoint
 
+if TYPE_CHECKING:  # transformers is imported lazily: it is slow to import
+    from transformers import PreTrainedTokenizerBase
 
-def load_tokenizer(path: str, tokenizer_path: str | None = None):
+
+def load_tokenizer(path: str, tokenizer_path: str | None = None) -> PreTrainedTokenizerBase:
     """A transformers fast tokenizer carrying the checkpoint's chat template; never touches the network."""
     from transformers import AutoTokenizer
 
@@ -26,7 +30,9 @@ def load_tokenizer(path: str, tokenizer_path: str | None = None):
     return AutoTokenizer.from_pretrained(p, local_files_only=True)
 
 
-def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+) -> list[int]:
     """Render to text, then encode without extra special tokens (the template already places them)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
@@ -38,7 +44,7 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def eos_token_ids(tokenizer, config: ModelConfig) -> list[int]:
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, config: ModelConfig) -> list[int]:
     """Ordered union: config ids first, then the tokenizer's eos (instruct models end turns with it)."""
     ids = list(config.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:

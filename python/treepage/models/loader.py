@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -23,6 +24,9 @@ from treepage.models.config import (
     ModelConfig,
     UnsupportedArchitectureError,
 )
+
+if TYPE_CHECKING:  # gguf is imported lazily, only for GGUF checkpoints
+    import gguf
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -108,17 +112,17 @@ def resolve_checkpoint(path: str) -> tuple[str, str]:
 
 
 @functools.lru_cache(maxsize=2)
-def _gguf_reader(path: str, _mtime_ns: int):
+def _gguf_reader(path: str, _mtime_ns: int) -> gguf.GGUFReader:
     import gguf
 
     return gguf.GGUFReader(path)
 
 
-def _reader(path: str):
+def _reader(path: str) -> gguf.GGUFReader:
     return _gguf_reader(os.path.abspath(path), os.stat(path).st_mtime_ns)
 
 
-def _field(reader, key: str, default=None):
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     f = reader.get_field(key)
     if f is None:
         return default
@@ -140,7 +144,12 @@ def _gguf_config(path: str) -> ModelConfig:
         )
     p = "llama."
     hidden, heads = int(_field(r, p + "embedding_length")), int(_field(r, p + "attention.head_count"))
-    vocab = _field(r, p + "vocab_size") or len(r.get_field("tokenizer.ggml.tokens").data)
+    vocab = _field(r, p + "vocab_size")
+    if not vocab:
+        tokens = r.get_field("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise ValueError(f"{path}: GGUF has neither {p}vocab_size nor tokenizer.ggml.tokens")
+        vocab = len(tokens.data)
     rope_scaling = None
     kind = _field(r, p + "rope.scaling.type")
     if kind and kind != "none":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.resources
 import os
+from typing import cast
 
 SHIPPED_HEADS = {"EAGLE3": "smollm2-eagle3", "EAGLE": "smollm2-eagle"}
 
@@ -19,7 +20,9 @@ def shipped_head_path(algorithm: str) -> str:
         raise ValueError(
             f"no shipped draft head for {algorithm!r}; shipped: {', '.join(sorted(SHIPPED_HEADS))}"
         )
-    path = os.fspath(importlib.resources.files("treepage.data") / "heads" / name)
+    # files() of a regular package (not a zip or namespace package) is a pathlib.Path.
+    resource = importlib.resources.files("treepage.data") / "heads" / name
+    path = os.fspath(cast("os.PathLike[str]", resource))
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(
             f"the shipped {algorithm} head is missing at {path}; rebuild it with `make train-heads`"

@@ -20,6 +20,7 @@ import json
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -198,7 +199,12 @@ def _tail_dup(dtype: str, page: int, slot: int, ints: str) -> Variant:
     return Variant("tail_dup", tuple(spec.items()), args, params)
 
 
-_BUILDERS = {"decode_partial": _decode, "extend": _extend, "merge": _merge, "tail_dup": _tail_dup}
+_BUILDERS: dict[str, Callable[..., Variant]] = {
+    "decode_partial": _decode,
+    "extend": _extend,
+    "merge": _merge,
+    "tail_dup": _tail_dup,
+}
 
 
 def _features(v: Variant, strength: int) -> set[tuple]:
@@ -257,7 +263,7 @@ def jit_type_drift(todo: list[Variant]) -> list[str]:
 
 def _error_text(e: BaseException | None) -> str:
     """The whole cause chain: Triton wraps the real message (a tl.dot shape rule, say) in call-site errors."""
-    parts = []
+    parts: list[str] = []
     while e is not None and len(parts) < 8:
         parts.append(f"{type(e).__name__}: {e}")
         e = e.__cause__ or e.__context__

@@ -21,20 +21,28 @@ class SdpaAttnBackend(TorchNativeAttnBackend):
     supports_paged_tree_draft = False
 
     def cascade_draft_decode(
-        self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scaling: float,
     ) -> torch.Tensor:
         # Without a cascade: one page table per query row = shared pages (page-aligned length) + own pages.
         P, K = meta.page_size, meta.topk
-        shared = meta.shared_page_table.repeat_interleave(K, dim=0)
-        table = torch.cat([shared, meta.branch_page_table], dim=1)
+        shared_pt, branch_pt, branch_lens = meta.shared_page_table, meta.branch_page_table, meta.branch_lens
+        assert shared_pt is not None and meta.shared_lens is not None
+        assert branch_pt is not None and branch_lens is not None
+        shared = shared_pt.repeat_interleave(K, dim=0)
+        table = torch.cat([shared, branch_pt], dim=1)
         shared_lens = meta.shared_lens.long().repeat_interleave(K)
-        n_shared_pages = meta.shared_page_table.shape[1]
+        n_shared_pages = shared_pt.shape[1]
         # Branch pages start right after the shared width in `table`; map positions accordingly.
         L = table.shape[1] * P
         p = torch.arange(L, device=q.device)
         in_shared = p[None, :] < shared_lens[:, None]
         in_branch = (p[None, :] >= n_shared_pages * P) & (
-            p[None, :] - n_shared_pages * P < meta.branch_lens.long()[:, None]
+            p[None, :] - n_shared_pages * P < branch_lens.long()[:, None]
         )
         k = gather_by_page_table(k_cache, table, P, L)
         v = gather_by_page_table(v_cache, table, P, L)

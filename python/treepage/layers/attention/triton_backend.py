@@ -16,14 +16,23 @@ class TritonAttnBackend(AttentionBackend):
     name = "triton"
     supports_paged_tree_draft = True
 
-    def extend(self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float) -> torch.Tensor:
+    def extend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scaling: float,
+    ) -> torch.Tensor:
+        page_table, qo_indptr, prefix_lens = meta.page_table, meta.qo_indptr, meta.prefix_lens
+        assert page_table is not None and qo_indptr is not None and prefix_lens is not None
         return paged_extend(
             q,
             k_cache,
             v_cache,
-            meta.page_table,
-            meta.qo_indptr,
-            meta.prefix_lens,
+            page_table,
+            qo_indptr,
+            prefix_lens,
             meta.page_size,
             scaling,
             max_q_len=meta.max_q_len,
@@ -32,29 +41,47 @@ class TritonAttnBackend(AttentionBackend):
             mask_indptr=meta.mask_indptr,
         )
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float) -> torch.Tensor:
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scaling: float,
+    ) -> torch.Tensor:
+        page_table, kv_lens = meta.page_table, meta.kv_lens
+        assert page_table is not None and kv_lens is not None
         return paged_decode(
             q,
             k_cache,
             v_cache,
-            meta.page_table,
-            meta.kv_lens,
+            page_table,
+            kv_lens,
             meta.page_size,
             scaling,
             max_kv_len=meta.max_kv_len,
         )
 
     def cascade_draft_decode(
-        self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scaling: float,
     ) -> torch.Tensor:
+        shared_pt, shared_lens = meta.shared_page_table, meta.shared_lens
+        branch_pt, branch_lens = meta.branch_page_table, meta.branch_lens
+        assert shared_pt is not None and shared_lens is not None
+        assert branch_pt is not None and branch_lens is not None
         return cascade_decode(
             q,
             k_cache,
             v_cache,
-            meta.shared_page_table,
-            meta.shared_lens,
-            meta.branch_page_table,
-            meta.branch_lens,
+            shared_pt,
+            shared_lens,
+            branch_pt,
+            branch_lens,
             meta.topk,
             meta.page_size,
             scaling,

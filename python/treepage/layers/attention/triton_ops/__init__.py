@@ -49,7 +49,9 @@ def check_index(t: torch.Tensor, name: str, shape: tuple[int, ...], device: torc
         assert tuple(t.shape) == shape, f"{name} shape {tuple(t.shape)}, want {shape}"
 
 
-def check_table_width(table: torch.Tensor, lens: torch.Tensor, page_size: int, name: str, host_max: int = -1):
+def check_table_width(
+    table: torch.Tensor, lens: torch.Tensor, page_size: int, name: str, host_max: int = -1
+) -> None:
     """A page table narrower than the longest read is an out-of-bounds gather; check without a device sync.
 
     host_max < 0 means the host does not know the maximum: it is then checked only for CPU tensors (free).

@@ -8,6 +8,8 @@ one partial buffer; a single lse merge combines them (an empty shared prefix mer
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from treepage.layers.attention.triton_ops import check_index, check_qkv
@@ -52,7 +54,9 @@ def cascade_decode(
         branch_splits = default_num_splits(bsz * topk * hkv, width, q.device)
     n_splits = shared_splits + branch_splits
     part_o, part_lse = new_partials(bsz * topk, hq, n_splits, d, q.device)
-    common = dict(part_o=part_o, part_lse=part_lse, page_size=page_size, sm_scale=sm_scale, block_n=block_n)
+    common: dict[str, Any] = dict(
+        part_o=part_o, part_lse=part_lse, page_size=page_size, sm_scale=sm_scale, block_n=block_n
+    )
     decode_partial(
         q,
         k_cache,

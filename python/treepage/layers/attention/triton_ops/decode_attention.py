@@ -226,7 +226,9 @@ def merge_launch_params(num_splits: int, d: int) -> dict[str, Any]:
     return dict(D=d, BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4)
 
 
-def new_partials(num_rows: int, hq: int, num_splits: int, d: int, device: torch.device):
+def new_partials(
+    num_rows: int, hq: int, num_splits: int, d: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 partial outputs [rows, Hq, splits, D] and their log2-lse [rows, Hq, splits]."""
     part_o = torch.empty(num_rows, hq, num_splits, d, dtype=torch.float32, device=device)
     part_lse = torch.empty(num_rows, hq, num_splits, dtype=torch.float32, device=device)
