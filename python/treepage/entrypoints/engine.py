@@ -7,9 +7,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -25,7 +25,10 @@ from treepage.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 
-def asyncio_sink(loop: asyncio.AbstractEventLoop, q: asyncio.Queue):
+Sink = Callable[[dict[str, Any]], None]
+
+
+def asyncio_sink(loop: asyncio.AbstractEventLoop, q: asyncio.Queue[dict[str, Any]]) -> Sink:
     """A sink that hands output deltas from the scheduler thread to a consumer on an event loop."""
 
     def sink(out: dict) -> None:
@@ -119,7 +122,7 @@ class Engine:
                 f"{len(input_ids)} in the prompt + {sp.max_new_tokens} max_new_tokens"
             )
 
-    def _make_req(self, input_ids: list[int], sp: SamplingParams, sink, rid: str | None) -> Req:
+    def _make_req(self, input_ids: list[int], sp: SamplingParams, sink: Sink, rid: str | None) -> Req:
         self.check_prompt(input_ids, sp)
         gen = None
         if not sp.greedy:
@@ -127,7 +130,7 @@ class Engine:
             gen.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
         return Req(rid or new_rid(), list(input_ids), sp, sink, generator=gen, created=time.monotonic())
 
-    def submit(self, input_ids: list[int], sp: SamplingParams, sink, rid: str | None = None) -> Req:
+    def submit(self, input_ids: list[int], sp: SamplingParams, sink: Sink, rid: str | None = None) -> Req:
         """Queue a request; `sink` receives its output deltas (managers/output.py) on the scheduler thread."""
         req = self._make_req(input_ids, sp, sink, rid)
         self.scheduler.submit(req)
@@ -168,11 +171,14 @@ class Engine:
         single = isinstance(prompt, str) or (
             input_ids is not None and (len(input_ids) == 0 or isinstance(input_ids[0], int))
         )
+        batch_ids: list[list[int]]
         if prompt is not None:
             prompts = [prompt] if isinstance(prompt, str) else list(prompt)
             batch_ids = [self.tokenizer.encode(p) for p in prompts]
+        elif single:
+            batch_ids = [cast(list[int], input_ids)]
         else:
-            batch_ids = [input_ids] if single else list(input_ids)
+            batch_ids = list(cast(list[list[int]], input_ids))
         sp_list = [self.make_sampling_params(sampling_params) for _ in batch_ids]
         results: list[queue.Queue[dict[str, Any]]] = [queue.Queue() for _ in batch_ids]
         for ids, sp, q in zip(batch_ids, sp_list, results):
@@ -228,7 +234,7 @@ class Engine:
             "attention_backend": a.attention_backend,
             "context_length": self.context_len,
             "max_running_requests": a.max_running_requests,
-            "max_total_num_tokens": self.worker.pools.allocator.num_pages * a.page_size,
+            "max_total_num_tokens": self.worker.pools.allocator.num_pages * self.worker.pools.allocator.page_size,
             "speculative_algorithm": a.speculative_algorithm,
             "speculative_num_steps": a.speculative_num_steps,
             "speculative_eagle_topk": a.speculative_eagle_topk,
@@ -261,5 +267,5 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -277,7 +277,7 @@ class _EngineCollector:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def collect(self):
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         st = self.engine.scheduler.stats
         mem = self.engine.memory_report()
         gauges = {

@@ -8,6 +8,7 @@ from treepage.managers.tp_worker import TpWorker
 from treepage.model_executor.model_runner import ModelRunner, kv_bytes_per_token
 from treepage.model_executor.worker import Worker
 from treepage.models.config import ModelConfig
+from treepage.models.llama import LlamaForCausalLM
 from treepage.models.loader import load_config
 from treepage.server_args import ServerArgs
 from treepage.speculative.eagle_worker import EagleWorker
@@ -36,7 +37,8 @@ def build_worker(args: ServerArgs, config: ModelConfig, dtype: torch.dtype) -> W
     draft = ModelRunner(
         args, args.speculative_draft_model_path, dtype, pools=target.pools, config=draft_config
     )
-    if hasattr(draft.model, "bind_target"):
+    if not isinstance(draft.model, LlamaForCausalLM):  # a head reads the target's embedding and LM head
+        assert isinstance(target.model, LlamaForCausalLM)
         draft.model.bind_target(target.model)
     cls = EagleWorkerV2 if args.spec_version == 2 else EagleWorker
     return cls(args, target, draft)

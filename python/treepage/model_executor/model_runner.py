@@ -15,6 +15,9 @@ from treepage.mem_cache.allocator import PagedAllocator
 from treepage.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from treepage.mem_cache.sizing import get_row_width, get_row_width_extra, speculation_enabled
 from treepage.models.config import ModelConfig
+from treepage.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from treepage.models.llama_eagle import LlamaForCausalLMEagle
+from treepage.models.llama_eagle3 import LlamaForCausalLMEagle3
 from treepage.models.loader import load_config, load_state_dict, load_weights_into
 from treepage.server_args import ServerArgs
 
@@ -38,18 +41,15 @@ class ForwardOutput:
     features: torch.Tensor | None  # [T, F] target features for a draft head, when fb.capture_hidden asks
 
 
-def build_model(config: ModelConfig, max_position: int) -> torch.nn.Module:
+CausalModel = LlamaForCausalLM | LlamaForCausalLMEagle | LlamaForCausalLMEagle3
+
+
+def build_model(config: ModelConfig, max_position: int) -> CausalModel:
     arch = config.architecture
     if arch == "LlamaForCausalLMEagle":
-        from treepage.models.llama_eagle import LlamaForCausalLMEagle
-
         return LlamaForCausalLMEagle(config, max_position)
     if arch == "LlamaForCausalLMEagle3":
-        from treepage.models.llama_eagle3 import LlamaForCausalLMEagle3
-
         return LlamaForCausalLMEagle3(config, max_position)
-    from treepage.models.llama import LlamaForCausalLM
-
     return LlamaForCausalLM(config, max_position)
 
 
@@ -77,10 +77,12 @@ class ModelRunner:
         config: ModelConfig | None = None,
         draft_bytes_per_token: int = 0,
     ) -> None:
+        assert args.page_size and args.attention_backend and args.max_running_requests, "resolve_server_args first"
         self.args = args
         self.device = torch.device(args.device)
         self.dtype = dtype
-        self.page_size = args.page_size
+        self.page_size: int = args.page_size
+        self.max_rows: int = args.max_running_requests
         self.config = config or load_config(model_path)
         t0 = time.perf_counter()
         context_len = pools.context_len if pools else self._context_len()
@@ -92,7 +94,7 @@ class ModelRunner:
             _init_dummy_weights(self.model)
         else:
             state = load_state_dict(model_path, dtype=torch.float32, device="cpu", progress=True)
-            if hasattr(self.model, "load_weights"):  # draft heads map their released tensor names themselves
+            if not isinstance(self.model, LlamaForCausalLM):  # heads map their released tensor names themselves
                 self.model.load_weights(state)
             else:
                 load_weights_into(self.model, state, strict=True)
@@ -103,7 +105,7 @@ class ModelRunner:
                 m.cos, m.sin = m.cos.float(), m.sin.float()
         self.model.eval()
         for m in self.model.modules():  # after the last .to(): the fused weights are plain attributes
-            if hasattr(m, "fuse_projections"):
+            if isinstance(m, (LlamaAttention, LlamaMLP)):
                 m.fuse_projections()
         logger.info("loaded %s (%s) in %.1fs", model_path, self.config.architecture, time.perf_counter() - t0)
         self.pools = pools or self._init_pools(context_len, draft_bytes_per_token)
@@ -126,7 +128,7 @@ class ModelRunner:
 
     def _init_pools(self, context_len: int, draft_bytes_per_token: int) -> SharedPools:
         args = self.args
-        P = args.page_size
+        P = self.page_size
         row_width = get_row_width(context_len, args)
         extra = get_row_width_extra(args)
         per_token = kv_bytes_per_token(self.config, self.dtype) + draft_bytes_per_token
@@ -145,7 +147,7 @@ class ModelRunner:
                 f"the KV pool holds {total_tokens} tokens, less than one page of {P}: raise --max-total-tokens"
             )
         allocator = PagedAllocator(num_pages, P, self.device)
-        rows = args.max_running_requests
+        rows = self.max_rows
         req_pool = ReqToTokenPool(rows, row_width, self.device)
         logger.info(
             "KV pool: %d pages x %d = %d tokens; req_to_token %d rows x %d (context %d + extra %d%s), row memory "

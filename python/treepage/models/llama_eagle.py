@@ -15,7 +15,7 @@ from treepage.layers.forward_batch import ForwardBatch, ModelOutput
 from treepage.layers.norm import RMSNorm
 from treepage.layers.rope import RotaryEmbedding
 from treepage.models.config import ModelConfig
-from treepage.models.llama import LlamaAttention, LlamaMLP
+from treepage.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 # Checkpoint entries no head ever reads (old transformers serialized RoPE tables).
 _ALWAYS_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -88,11 +88,11 @@ class LlamaForCausalLMEagle(nn.Module):
         self.fc = nn.Linear(2 * H, H, bias=bool(config.hf_config.get("bias", True)))
         self.rope = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList([EagleDecoderLayer(config, self.rope)])
-        self.embed_tokens: nn.Module | None = None  # the target's, set by bind_target
-        self.lm_head: nn.Module | None = None
+        self.embed_tokens: nn.Embedding | None = None  # the target's, set by bind_target
+        self.lm_head: nn.Linear | None = None
 
     def _own_tensors(self) -> dict[str, torch.Tensor]:
-        out = {f"fc.{n}": p for n, p in self.fc.named_parameters()}
+        out: dict[str, torch.Tensor] = {f"fc.{n}": p for n, p in self.fc.named_parameters()}
         out.update({f"layers.0.{n}": p for n, p in self.layers[0].named_parameters()})
         return out
 
@@ -106,7 +106,7 @@ class LlamaForCausalLMEagle(nn.Module):
             )
         copy_released_weights("EAGLE", self._own_tensors(), state)
 
-    def bind_target(self, target: nn.Module) -> None:
+    def bind_target(self, target: LlamaForCausalLM) -> None:
         embed, lm_head = target.model.embed_tokens, target.lm_head
         if embed.weight.shape[1] != self.config.hidden_size:
             raise ValueError(

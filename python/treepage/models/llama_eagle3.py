@@ -13,7 +13,7 @@ from treepage.layers.forward_batch import ForwardBatch, ModelOutput
 from treepage.layers.norm import RMSNorm
 from treepage.layers.rope import RotaryEmbedding
 from treepage.models.config import ModelConfig
-from treepage.models.llama import LlamaAttention, LlamaMLP
+from treepage.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from treepage.models.llama_eagle import copy_released_weights, strip_model_prefix
 
 # Third-party options whose tensors and semantics the released heads do not use; refused rather than guessed.
@@ -60,6 +60,8 @@ class LlamaForCausalLMEagle3(nn.Module):
     """forward() returns the pre-norm state h2 [T, H]; compute_logits = lm_head(norm(h2)) over the draft vocab."""
 
     feature_kind: str = "aux"
+    d2t: torch.Tensor  # [Vd] buffer: target id = draft id + d2t[draft id]
+    t2d: torch.Tensor  # [V] buffer: is the target id in the draft vocabulary
 
     def __init__(self, config: ModelConfig, max_position: int) -> None:
         super().__init__()
@@ -84,13 +86,13 @@ class LlamaForCausalLMEagle3(nn.Module):
         self.rope = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling)
         self.midlayer = Eagle3DecoderLayer(config, self.rope)
         self.norm = RMSNorm(H, config.rms_norm_eps)
-        self.lm_head: nn.Module | None = (
+        self.lm_head: nn.Linear | None = (
             None if config.tie_word_embeddings else nn.Linear(H, self.draft_vocab_size, bias=False)
         )
         self._lm_head_from_target = config.tie_word_embeddings
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.full((V,), self.draft_vocab_size == V, dtype=torch.bool))
-        self.embed_tokens: nn.Module | None = None  # the target's, set by bind_target
+        self.embed_tokens: nn.Embedding | None = None  # the target's, set by bind_target
 
     def aux_layer_ids(self, num_target_layers: int) -> list[int]:
         """Target layers whose inputs are captured: explicit ids mean "output of layer i", i.e. input of i+1."""
@@ -100,7 +102,7 @@ class LlamaForCausalLMEagle3(nn.Module):
         return [2, num_target_layers // 2, num_target_layers - 3]
 
     def _own_tensors(self) -> dict[str, torch.Tensor]:
-        out = {f"fc.{n}": p for n, p in self.fc.named_parameters()}
+        out: dict[str, torch.Tensor] = {f"fc.{n}": p for n, p in self.fc.named_parameters()}
         out.update({f"midlayer.{n}": p for n, p in self.midlayer.named_parameters()})
         out["norm.weight"] = self.norm.weight
         if self.lm_head is not None:
@@ -134,7 +136,7 @@ class LlamaForCausalLMEagle3(nn.Module):
                 self.t2d.zero_()
                 self.t2d[hot] = True
 
-    def bind_target(self, target: nn.Module) -> None:
+    def bind_target(self, target: LlamaForCausalLM) -> None:
         embed = target.model.embed_tokens
         if embed.weight.shape != (self.config.vocab_size, self.config.hidden_size):
             raise ValueError(

@@ -20,7 +20,13 @@ from treepage.model_executor.model_runner import ModelRunner
 from treepage.model_executor.worker import Worker
 from treepage.server_args import ServerArgs
 from treepage.speculative import draft_layout as dl
-from treepage.speculative.eagle_tree import build_tree, draft_step_first, draft_step_last, draft_step_next
+from treepage.speculative.eagle_tree import (
+    EagleTree,
+    build_tree,
+    draft_step_first,
+    draft_step_last,
+    draft_step_next,
+)
 from treepage.speculative.eagle_verify import (
     VerifyResult,
     first_branch_of,
@@ -74,13 +80,14 @@ class EagleWorker(Worker):
         self.draft = draft
         self.pools = target.pools
         self.device = target.device
-        assert args.speculative_eagle_topk and args.speculative_num_steps and args.speculative_num_draft_tokens
+        K, S, N = args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens
+        assert K and S and N, "resolve_server_args first"
         self.P = target.page_size
-        self.K = args.speculative_eagle_topk
-        self.S = args.speculative_num_steps
-        self.N = args.speculative_num_draft_tokens
+        self.K: int = K
+        self.S: int = S
+        self.N: int = N
         self.fixed_accept = args.speculative_debug_fixed_accept_len
-        kind = getattr(draft.model, "feature_kind", None)
+        kind = getattr(draft.model, "feature_kind", "")  # a STANDALONE draft (plain Llama) reads no features
         self.capture = {"last": CaptureHidden.LAST, "aux": CaptureHidden.AUX}.get(kind, CaptureHidden.NONE)
         self.states: dict[str, SpecState] = {}
         self.debug = SpecDebugCounters()
@@ -174,7 +181,7 @@ class EagleWorker(Worker):
             p, idx = self._draft_topk(out.logits)
             if i < S - 1:
                 ids, hidden = draft_step_next(i, state, p, idx, h)
-                if K > 1:
+                if K > 1 and state.last_parent_rows is not None:
                     self._regather_lanes(out_loc, state.last_parent_rows, i)
             else:
                 draft_step_last(i, state, p, idx)
@@ -237,7 +244,7 @@ class EagleWorker(Worker):
         dst = out_loc[:, :, :step]
         self.draft.kv_pool.move_kv_cache(dst.reshape(-1), src.reshape(-1))
 
-    def _verify(self, reqs: list[Req], tree, logits: torch.Tensor) -> VerifyResult:
+    def _verify(self, reqs: list[Req], tree: EagleTree, logits: torch.Tensor) -> VerifyResult:
         if self.fixed_accept is not None:
             return self._fixed_accept(tree, logits)
         if all(r.sampling.greedy for r in reqs):
@@ -250,10 +257,11 @@ class EagleWorker(Worker):
         gen = next((r.generator for r in reqs if r.generator is not None), None)
         return verify_tree_sampling(tree, logits, temps, top_ps, top_ks, self.S, generator=gen)
 
-    def _fixed_accept(self, tree, logits: torch.Tensor) -> VerifyResult:
+    def _fixed_accept(self, tree: EagleTree, logits: torch.Tensor) -> VerifyResult:
         """Debug knob: accept the first-child chain to a fixed depth regardless of the target."""
         B, N = tree.draft_tokens.shape
         want = self.fixed_accept
+        assert want is not None
         nodes = torch.full((B, self.S + 1), -1, dtype=torch.int64, device=logits.device)
         nodes[:, 0] = 0
         cur = torch.zeros(B, dtype=torch.int64, device=logits.device)

@@ -37,7 +37,8 @@ class EagleWorkerV2(EagleWorker):
         rids = [r.rid for r in reqs]
         if self.pending or (self.inflight is not None and self.inflight[0] != rids):
             self.drain()
-            return [self.pending.pop(r.rid, None) or StepOutput([], r.kv_committed_len) for r in reqs]
+            empty = [StepOutput([], r.kv_committed_len) for r in reqs]  # new since the drained round
+            return [self.pending.pop(r.rid, e) for r, e in zip(reqs, empty)]
         fut = self.executor.submit(self.run_round, list(reqs), [r.allocated_len for r in reqs])
         prev, self.inflight = self.inflight, (rids, fut)
         if prev is None:  # the first round of a pipeline: its tokens arrive with the next call

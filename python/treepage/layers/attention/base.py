@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+from torch import Tensor
 
 from treepage.layers.forward_batch import ForwardBatch, ForwardMode
 from treepage.mem_cache.memory_pool import build_page_table
@@ -124,12 +125,16 @@ class AttentionBackend(ABC):
         return self.extend(q, k_cache, v_cache, meta, scaling)
 
     @abstractmethod
-    def extend(self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float) -> torch.Tensor: ...
+    def extend(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scaling: float
+    ) -> Tensor: ...
 
     @abstractmethod
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float) -> torch.Tensor: ...
+    def decode(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scaling: float
+    ) -> Tensor: ...
 
     @abstractmethod
     def cascade_draft_decode(
-        self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float
-    ) -> torch.Tensor: ...
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scaling: float
+    ) -> Tensor: ...
