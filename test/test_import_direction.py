@@ -10,7 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "python" / "treepage"
 
 # Top to bottom. Entry points (the CLI modules) may import anything below them.
 LAYERS = [
-    {"launch_server", "tools"},
+    {"launch_server"},
     {"entrypoints"},
     {"arg_groups"},
     {"managers"},

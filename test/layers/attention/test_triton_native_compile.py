@@ -14,15 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import native_compile
 import pytest
-
-from treepage.tools import native_compile
-from treepage.tools.native_compile import KERNELS, TARGETS, variants
+from native_compile import KERNELS, TARGETS, variants
 
 
 def run_matrix(matrix: str, out: Path, timeout: float) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    cmd = [sys.executable, "-m", native_compile.__name__, "--matrix", matrix, "--out", str(out)]
+    cmd = [sys.executable, native_compile.__file__, "--matrix", matrix, "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.exists(), f"no report (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
     return json.loads(out.read_text())

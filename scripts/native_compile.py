@@ -4,7 +4,7 @@ The interpreter runs the kernels' arithmetic on CPU but not the native pipeline 
 shared-memory use, typing of constexpr branches). triton.compile needs only the toolchain Triton ships, so this
 check runs anywhere. The kernels must be imported with TRITON_INTERPRET=0, hence a process of its own:
 
-    TRITON_INTERPRET=0 python -m treepage.tools.native_compile --matrix quick
+    TRITON_INTERPRET=0 python scripts/native_compile.py --matrix quick
 
 Constexprs and num_warps come from the launch-parameter functions the wrappers call (native=True). Runtime
 arguments are example values that specialise as a real launch does (16-aligned pointers, strides of the model
