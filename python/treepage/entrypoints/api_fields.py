@@ -36,7 +36,7 @@ class UnsupportedField(ValueError):
         self.field = name
         shown = json.dumps(value) if _jsonable(value) else repr(value)
         super().__init__(
-            f"{name}={shown} is not supported: treepage has no {spec.feature}; "
+            f"{name}={shown} is not supported: treepage does not support {spec.feature}; "
             f"leave {name} out or send {spec.neutral_text()}"
         )
 
@@ -97,10 +97,10 @@ OFF = (None, False)
 EMPTY_LIST = (None, [])
 EMPTY_DICT = (None, {})
 
-LOGPROBS = "logprobs yet"
-PARALLEL = "parallel sampling (n > 1) yet"
-PENALTIES = "penalties or logit_bias yet"
-GRAMMAR = "structured output (JSON schema / regex / EBNF grammars) yet"
+LOGPROBS = "logprobs"
+PARALLEL = "parallel sampling (n > 1)"
+PENALTIES = "penalties or logit_bias"
+GRAMMAR = "structured output (JSON schema / regex / EBNF grammars)"
 MULTIMODAL = "multimodal input (this is a text-only engine)"
 PD = "prefill/decode disaggregation"
 

@@ -263,13 +263,14 @@ class Engine:
     def get_load(self) -> list[dict]:
         """SGLang's /get_load: one entry per data-parallel rank (treepage has one); sglang-router's
         power_of_two policy sends a request to the less loaded of two workers by it."""
-        st = self.scheduler.stats
+        s = self.scheduler  # live lengths, not s.stats: those are refreshed only while the loop steps
+        waiting = len(s.waiting) + s.inbox.qsize()
         mem = self.memory_report()
         return [
             {
                 "dp_rank": 0,
-                "num_reqs": st.num_running + st.num_waiting,
-                "num_waiting_reqs": st.num_waiting,
+                "num_reqs": len(s.running) + waiting,
+                "num_waiting_reqs": waiting,
                 "num_tokens": mem["used_pages"] * mem["page_size"],  # KV tokens held, pages rounded up
             }
         ]
