@@ -1,11 +1,15 @@
-"""Reference backend in plain torch. Reads KV by page table, batched and padded (no per-request loops)."""
+"""CPU backend. Decode, tree verify, short extends and the cascade draft decode run in a C kernel that reads K/V
+in place through the page table (cpu_kernels); prefill runs SDPA per request. Without the kernel (no C compiler,
+fp16, a CUDA tensor) the same modes run in plain torch: K/V gathered by page table, batched and padded."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from treepage.layers.attention import cpu_kernels
 from treepage.layers.attention.base import AttentionBackend, AttentionMetadata
+from treepage.layers.attention.cpu_kernels import MASK_CAUSAL, MASK_TREE, KernelPlan
 from treepage.model_executor.forward_batch import ForwardMode
 
 
@@ -65,6 +69,9 @@ def sdpa_on_gathered(
 
 # Scores of one batched call stay below this many bytes; larger batches are split into request chunks.
 SCORE_BYTES_PER_CALL = 256 << 20
+# Extends with at most this many queries per request go to the kernel (a draft extend, a short chunk); longer
+# ones are prefills, compute-bound, where SDPA's GEMM-based kernel does better.
+KERNEL_MAX_EXTEND = 64
 
 
 def uniform_visibility_bias(meta: AttentionMetadata, n: int) -> torch.Tensor:
@@ -90,9 +97,48 @@ def uniform_visibility_bias(meta: AttentionMetadata, n: int) -> torch.Tensor:
 class TorchNativeAttnBackend(AttentionBackend):
     name = "torch_native"
     supports_paged_tree_draft = True
+    # False forces the torch path (benchmarks compare the two; tests cover both).
+    use_kernel: bool = True
+
+    def kernel_for(self, q: torch.Tensor, k_cache: torch.Tensor):
+        """The C kernel when it applies to these tensors, else None (the torch path runs)."""
+        if not self.use_kernel or q.device.type != "cpu" or k_cache.device.type != "cpu":
+            return None
+        if q.dtype not in cpu_kernels.KERNEL_DTYPES or k_cache.dtype not in cpu_kernels.KERNEL_DTYPES:
+            return None
+        return cpu_kernels.load()
+
+    @staticmethod
+    def kernel_plan(meta: AttentionMetadata) -> KernelPlan:
+        """Extend-like modes (decode, verify, extend) in kernel terms; once per forward, shared by all layers."""
+        plan = meta.derived.get("kernel_plan")
+        if plan is None:
+            if meta.mode == ForwardMode.DECODE:
+                qs = torch.arange(meta.kv_lens.numel() + 1, dtype=torch.int32)
+                plan = KernelPlan.build(meta.page_table, meta.page_size, qs, meta.kv_lens, meta.kv_lens)
+            elif meta.custom_mask is not None:
+                plan = KernelPlan.build(
+                    meta.page_table, meta.page_size, meta.qo_indptr, meta.kv_lens, meta.prefix_lens,
+                    MASK_TREE, meta.custom_mask, meta.mask_indptr[:-1],
+                )  # fmt: skip
+            else:
+                plan = KernelPlan.build(
+                    meta.page_table,
+                    meta.page_size,
+                    meta.qo_indptr,
+                    meta.kv_lens,
+                    meta.prefix_lens,
+                    MASK_CAUSAL,
+                )
+            meta.derived["kernel_plan"] = plan
+        return plan
 
     def extend(self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float) -> torch.Tensor:
-        """Tree verify batched (every request has N queries); prefill per request, unpadded."""
+        """Tree verify and short extends in the kernel; prefill per request with SDPA, unpadded."""
+        lib = self.kernel_for(q, k_cache)
+        if lib is not None and (meta.custom_mask is not None or meta.max_q_len <= KERNEL_MAX_EXTEND):
+            out, _ = cpu_kernels.paged_attention(lib, self.kernel_plan(meta), q, k_cache, v_cache, scaling)
+            return out.to(q.dtype)
         if meta.mode == ForwardMode.TARGET_VERIFY and q.shape[0] == meta.kv_lens.numel() * meta.max_q_len:
             return self.attend_uniform(q, k_cache, v_cache, meta, scaling, meta.max_q_len)
         P = meta.page_size
@@ -118,6 +164,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         return out
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scaling: float) -> torch.Tensor:
+        lib = self.kernel_for(q, k_cache)
+        if lib is not None:
+            out, _ = cpu_kernels.paged_attention(lib, self.kernel_plan(meta), q, k_cache, v_cache, scaling)
+            return out.to(q.dtype)
         return self.attend_uniform(q, k_cache, v_cache, meta, scaling, 1)
 
     def attend_uniform(
@@ -156,6 +206,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         P, K = meta.page_size, meta.topk
         BK, Hq, D = q.shape
         B = BK // K
+        lib = self.kernel_for(q, k_cache)
+        if lib is not None:
+            shared, branch = self.cascade_plans(meta, B, K)
+            o1, lse1 = cpu_kernels.paged_attention(lib, shared, q, k_cache, v_cache, scaling, with_lse=True)
+            o2, lse2 = cpu_kernels.paged_attention(lib, branch, q, k_cache, v_cache, scaling, with_lse=True)
+            return merge_by_lse(o1, lse1, o2, lse2).to(q.dtype)
         # Pass 1: the shared whole prefix pages, read once per request for all K branch queries.
         L1 = meta.shared_page_table.shape[1] * P
         k1 = gather_by_page_table(k_cache, meta.shared_page_table, P, L1)
@@ -172,3 +228,18 @@ class TorchNativeAttnBackend(AttentionBackend):
         o2, lse2 = attend(q[:, None], k2, v2, m2, scaling)
         o = merge_by_lse(o1.reshape(BK, Hq, D), lse1.reshape(BK, Hq), o2[:, 0], lse2[:, 0])
         return o.to(q.dtype)
+
+    @staticmethod
+    def cascade_plans(meta: AttentionMetadata, B: int, K: int) -> tuple[KernelPlan, KernelPlan]:
+        """Pass 1: request b's K branch rows read its shared prefix once; pass 2: each row its own pages."""
+        plans = meta.derived.get("cascade_plans")
+        if plans is None:
+            P = meta.page_size
+            shared = KernelPlan.build(
+                meta.shared_page_table, P, torch.arange(0, B * K + 1, K), meta.shared_lens, meta.shared_lens
+            )
+            branch = KernelPlan.build(
+                meta.branch_page_table, P, torch.arange(B * K + 1), meta.branch_lens, meta.branch_lens
+            )
+            plans = meta.derived["cascade_plans"] = (shared, branch)
+        return plans
