@@ -1,26 +1,29 @@
-/* Paged attention for CPU decode, tree verify and the cascade draft passes: K/V are read in place through the
- * page table, once per (request, kv head), in their stored dtype (fp32 or bf16, widened in registers).
+/* Paged attention for CPU decode, tree verify, short extends and the cascade draft passes. K/V are read in place
+ * through the page table, each slot row once per task, in their stored dtype (fp32 or bf16, widened to fp32 in
+ * an L1-sized block buffer): no context-sized copy is ever made.
  *
  * Request b owns query rows [q_start[b], q_start[b+1]) and KV positions [0, kv_len[b]); position p lives in slot
  * table[b * table_stride + p / P] * P + p % P. Positions below full_len[b] are visible to every query of b; the
  * window [full_len[b], kv_len[b]) is visible to query j at window offset i when
  *   mask_kind 0: always,  1: i <= j (causal),  2: mask[mask_start[b] + j * nq + i] (tree; nq = window length).
- * Work is split into tasks (request, kv head, query tile, KV chunk) so that one long request still fills every
- * thread; chunk results carry (max, sum, acc) and are merged by log-sum-exp.
+ * Work is split into tasks (request, tile of queries, KV chunk), each over every kv head, so that one long
+ * request still fills every thread and requests of different lengths need no padding; chunk results carry
+ * (max, sum, acc) and are merged by log-sum-exp.
  *
  * Outputs: out [rows, Hq, D] fp32, and when lse != NULL the natural-log LSE [rows, Hq] (-inf: nothing visible,
- * out 0). Compiled at first use by cpu_kernels.py; without a C compiler the torch path runs instead.
+ * out 0). Returns nonzero when scratch memory could not be allocated. Compiled at first use by cpu_kernels.py;
+ * without a C compiler the torch path runs instead.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define BLK 16          /* KV positions per inner block */
-#define QTILE 16        /* queries per task */
-#define RT 4           /* rows per register tile */
-#define MIN_CHUNK 256   /* smallest KV chunk worth a task of its own */
-#define NEG (-1e30f)    /* finite "minus infinity": masked scores never reach exp */
+#define BLK 32        /* KV positions per inner block */
+#define QTILE 16      /* queries per task */
+#define RT 4          /* rows per register tile */
+#define MIN_CHUNK 256 /* smallest KV chunk worth a task of its own */
+#define NEG (-1e30f)  /* finite "minus infinity": masked scores never reach exp */
 
 typedef struct {
     const void *q, *k, *v;
@@ -84,25 +87,31 @@ static inline void scores_tile(float *restrict s, const float *restrict q, const
     memcpy(s, acc, sizeof(acc));
 }
 
-/* acc[u][0:D] += sum_i p[u][i] * v_i[0:D] for RT rows, 64 columns at a time held in registers. */
+/* acc[u][0:D] += sum_i p[u][i] * v_i[0:D] for RT rows. With D a multiple of 16, 16 columns at a time whose RT
+ * vector accumulators stay in registers across the block. */
 static inline void pv_tile(float *restrict acc, const float *restrict p, const float *const *vrow, int nt, int D) {
-    for (int d0 = 0; d0 < D; d0 += 64) {
-        const int dn = D - d0 < 64 ? D - d0 : 64;
-        float a[RT][64];
-        for (int u = 0; u < RT; u++) memcpy(a[u], acc + (size_t)u * D + d0, sizeof(float) * (size_t)dn);
+    if (D % 16) {
+        for (int i = 0; i < nt; i++)
+            for (int u = 0; u < RT; u++)
+                for (int d = 0; d < D; d++) acc[(size_t)u * D + d] += p[u * BLK + i] * vrow[i][d];
+        return;
+    }
+    for (int d0 = 0; d0 < D; d0 += 16) {
+        float a[RT][16];
+        for (int u = 0; u < RT; u++)
+#pragma omp simd
+            for (int l = 0; l < 16; l++) a[u][l] = acc[(size_t)u * D + d0 + l];
         for (int i = 0; i < nt; i++) {
             const float *restrict v = vrow[i] + d0;
             for (int u = 0; u < RT; u++) {
                 const float pu = p[u * BLK + i];
-                if (dn == 64) {
 #pragma omp simd
-                    for (int d = 0; d < 64; d++) a[u][d] += pu * v[d];
-                } else {
-                    for (int d = 0; d < dn; d++) a[u][d] += pu * v[d];
-                }
+                for (int l = 0; l < 16; l++) a[u][l] += pu * v[l];
             }
         }
-        for (int u = 0; u < RT; u++) memcpy(acc + (size_t)u * D + d0, a[u], sizeof(float) * (size_t)dn);
+        for (int u = 0; u < RT; u++)
+#pragma omp simd
+            for (int l = 0; l < 16; l++) acc[(size_t)u * D + d0 + l] = a[u][l];
     }
 }
 
@@ -113,7 +122,7 @@ static inline int rows_padded(const Task *t, int G) { return ((t->j1 - t->j0) * 
  * Each block's slot rows (every kv head, contiguous in the cache) are read once: K transposed into kt[c][i]
  * (c = head * D + d), V in place (fp32) or widened into vbuf (bf16). Rows of kv head h are rr = (j - j0) * G + g,
  * padded to a multiple of RT (padding rows have q = 0 and p = 0); m/l/acc row index = h * nrp + rr. */
-static void run_task(const Args *a, const Task *t, float *m_out, float *l_out, float *acc) {
+static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, float *acc) {
     const int Hq = a->Hq, Hkv = a->Hkv, D = a->D, G = Hq / Hkv, b = t->b;
     const int nj = t->j1 - t->j0, nrh = nj * G, nrp = rows_padded(t, G);
     const int full = a->full_len[b], nwin = a->kv_len[b] - full;
@@ -123,7 +132,7 @@ static void run_task(const Args *a, const Task *t, float *m_out, float *l_out, f
     const int pmask = (1 << a->page_shift) - 1;
     const size_t qn = (size_t)Hkv * nrp * D, bn = (size_t)BLK * ss;
     float *qf = calloc(qn + 2 * bn + (size_t)nrp * BLK + (size_t)nj * BLK, sizeof(float));
-    if (!qf) abort();
+    if (!qf) return 1;
     float *kt = qf + qn, *vbuf = kt + bn, *s = vbuf + bn, *vis = s + (size_t)nrp * BLK;
     for (int j = t->j0; j < t->j1; j++)
         for (int hq = 0; hq < Hq; hq++) {
@@ -210,6 +219,7 @@ static void run_task(const Args *a, const Task *t, float *m_out, float *l_out, f
         }
     }
     free(qf);
+    return 0;
 }
 
 int paged_attention(const void *q, int q_bf16, const void *k_cache, const void *v_cache, int kv_bf16,
@@ -257,11 +267,21 @@ int paged_attention(const void *q, int q_bf16, const void *k_cache, const void *
         }
     }
     group_first[gi] = n;
+    int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t i = 0; i < ntasks; i++) {
         const int nr = Hkv * rows_padded(&tasks[i], G);
         float *m = scratch + i * per_task, *l = m + nr, *acc = l + nr;
-        run_task(&a, &tasks[i], m, l, acc);
+        if (run_task(&a, &tasks[i], m, l, acc)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+    }
+    if (failed) {
+        free(tasks);
+        free(group_first);
+        free(scratch);
+        return 1;
     }
     /* Merge the KV chunks of each query tile by log-sum-exp. */
 #pragma omp parallel for schedule(static) num_threads(nthreads)
