@@ -23,6 +23,7 @@
 #define QTILE 16      /* queries per task */
 #define RT 4          /* rows per register tile */
 #define MIN_CHUNK 256 /* smallest KV chunk worth a task of its own */
+#define PARALLEL_WORK 1024 /* KV positions x query tiles below which a call runs single-threaded */
 #define NEG (-1e30f)  /* finite "minus infinity": masked scores never reach exp */
 
 typedef struct {
@@ -233,6 +234,8 @@ int paged_attention(const void *q, int q_bf16, const void *k_cache, const void *
     /* KV chunk length: at least MIN_CHUNK, short enough for ~4 tasks per thread over the whole batch. */
     int64_t work = 0;
     for (int b = 0; b < B; b++) work += (int64_t)kv_len[b] * ((q_start[b + 1] - q_start[b] + QTILE - 1) / QTILE);
+    /* Small calls stay on this thread: waking the pool costs more than they do (and much more on a busy host). */
+    const int parallel = nthreads > 1 && work >= PARALLEL_WORK;
     int64_t chunk = (work + 4 * (int64_t)nthreads - 1) / (4 * (int64_t)nthreads);
     chunk = chunk < MIN_CHUNK ? MIN_CHUNK : (chunk + BLK - 1) / BLK * BLK;
     int64_t ntasks = 0, ngroups = 0;
@@ -268,7 +271,7 @@ int paged_attention(const void *q, int q_bf16, const void *k_cache, const void *
     }
     group_first[gi] = n;
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (parallel)
     for (int64_t i = 0; i < ntasks; i++) {
         const int nr = Hkv * rows_padded(&tasks[i], G);
         float *m = scratch + i * per_task, *l = m + nr, *acc = l + nr;
@@ -284,7 +287,7 @@ int paged_attention(const void *q, int q_bf16, const void *k_cache, const void *
         return 1;
     }
     /* Merge the KV chunks of each query tile by log-sum-exp. */
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (parallel)
     for (int64_t g = 0; g < ngroups; g++) {
         const Task *t0 = &tasks[group_first[g]];
         const int nrp = rows_padded(t0, G), nr = Hkv * nrp;
