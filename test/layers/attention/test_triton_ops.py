@@ -468,8 +468,8 @@ def test_cpu_kernel_cascade_empty_shared_prefix(P, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_model_shapes(P, dtype, monkeypatch):
     """SmolLM2's heads (9 query, 3 kv: a group of 3, head dim 64), contexts long enough to be split into
-    several KV chunks across threads, and a verify with more queries than one task's tile, against the torch
-    path and the dense reference."""
+    several KV chunks across threads, a verify with more queries than one task's tile (the transposed-K path)
+    and a decode (the dot-product path), against the dense reference and the torch path."""
     hkv, hq, d = 3, 9, 64
     lens, n = [1100, 300, 1, 733], 21
     gen = torch.Generator().manual_seed(P)
@@ -499,6 +499,24 @@ def test_cpu_kernel_model_shapes(P, dtype, monkeypatch):
     ref = torch.cat(ref)
     out = kernel_backend(monkeypatch).extend(q, cache.k, cache.v, meta, 0.125)
     assert_close(out, ref, dtype)
+    # Decode (3 rows per kv head: the dot-product path) of each request's last query over the same pages.
+    dec = AttentionMetadata(
+        mode=ForwardMode.DECODE,
+        page_size=P,
+        page_table=table,
+        qo_indptr=torch.arange(len(lens) + 1, dtype=torch.int32),
+        prefix_lens=meta.kv_lens - 1,
+        kv_lens=meta.kv_lens,
+        max_q_len=1,
+        max_kv_len=max(kv),
+    )
+    qd = q[n - 1 :: n].contiguous()
+    dec_ref = []
+    for b in range(len(lens)):
+        k, v = cache.gather(table[b], kv[b])
+        dec_ref.append(dense_ref(qd[b : b + 1], k, v, torch.ones(1, kv[b], dtype=torch.bool), 0.125))
+    dec_out = kernel_backend(monkeypatch).decode(qd, cache.k, cache.v, dec, 0.125)
+    assert_close(dec_out, torch.cat(dec_ref), dtype)
     monkeypatch.undo()
     torch_path = TorchNativeAttnBackend()
     torch_path.use_kernel = False

@@ -24,6 +24,7 @@
 #define RT 4          /* rows per register tile */
 #define MIN_CHUNK 256 /* smallest KV chunk worth a task of its own */
 #define PARALLEL_WORK 1024 /* KV positions x query tiles below which a call runs single-threaded */
+#define PREFETCH 1     /* blocks ahead whose slot rows are prefetched */
 #define NEG (-1e30f)  /* finite "minus infinity": masked scores never reach exp */
 
 typedef struct {
@@ -88,6 +89,49 @@ static inline void scores_tile(float *restrict s, const float *restrict q, const
     memcpy(s, acc, sizeof(acc));
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define DOT_PATH 1
+/* Lane i of the result = the sum of the 16 lanes of v[i]: pairwise transposing adds, 45 operations in all. */
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 x[8], z[4], u[2];
+    for (int k = 0; k < 8; k++) /* 128-bit lane j: [a_j0+a_j2, b_j0+b_j2, a_j1+a_j3, b_j1+b_j3] */
+        x[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) /* lane j: lane-j sums of 4 vectors */
+        z[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int k = 0; k < 2; k++) /* lanes [z0+z1, z2+z3, w0+w1, w2+w3] */
+        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * k], z[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(z[2 * k], z[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* s[u][0:BLK] = q[u] . k_i for nr rows against K rows in their natural layout (D a multiple of 16): for few rows
+ * (decode, cascade) this beats transposing the block first. Positions i >= nt get 0. */
+static void scores_dot(float *s, const float *q, int nr, const float *const *krow, int nt, int D) {
+    for (int u = 0; u < nr; u++) {
+        const float *qu = q + (size_t)u * D;
+        for (int i0 = 0; i0 < BLK; i0 += 16) {
+            __m512 acc[16];
+            for (int i = 0; i < 16; i++) {
+                if (i0 + i >= nt) {
+                    acc[i] = _mm512_setzero_ps();
+                    continue;
+                }
+                const float *k = krow[i0 + i];
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qu), _mm512_loadu_ps(k));
+                for (int d = 16; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qu + d), _mm512_loadu_ps(k + d), a);
+                acc[i] = a;
+            }
+            _mm512_storeu_ps(s + (size_t)u * BLK + i0, hsum16(acc));
+        }
+    }
+}
+#else
+#define DOT_PATH 0
+#endif
+
 /* acc[u][0:D] += sum_i p[u][i] * v_i[0:D] for RT rows. With D a multiple of 16, 16 columns at a time whose RT
  * vector accumulators stay in registers across the block. */
 static inline void pv_tile(float *restrict acc, const float *restrict p, const float *const *vrow, int nt, int D) {
@@ -135,6 +179,9 @@ static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, fl
     float *qf = calloc(qn + 2 * bn + (size_t)nrp * BLK + (size_t)nj * BLK, sizeof(float));
     if (!qf) return 1;
     float *kt = qf + qn, *vbuf = kt + bn, *s = vbuf + bn, *vis = s + (size_t)nrp * BLK;
+    float *kbuf = kt; /* the dot path widens bf16 K rows here instead */
+    const int dot = DOT_PATH && D % 16 == 0 && nrh < 16;
+    const int esz = a->kv_bf16 ? 2 : 4;
     for (int j = t->j0; j < t->j1; j++)
         for (int hq = 0; hq < Hq; hq++) {
             const int64_t src = ((int64_t)(a->q_start[b] + j) * Hq + hq) * D;
@@ -156,19 +203,39 @@ static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, fl
             const int pos = pb + i;
             off[i] = ((((int64_t)row[pos >> a->page_shift]) << a->page_shift) | (pos & pmask)) * ss;
         }
-        for (int i = 0; i < nt; i++) {
-            if (a->kv_bf16) {
-                const uint16_t *k = (const uint16_t *)a->k + off[i], *v = (const uint16_t *)a->v + off[i];
-                for (int64_t c = 0; c < ss; c++) kt[c * BLK + i] = bf16_bits_to_f32(k[c]);
-#pragma omp simd
-                for (int64_t c = 0; c < ss; c++) vbuf[i * ss + c] = bf16_bits_to_f32(v[c]);
-            } else {
-                const float *k = (const float *)a->k + off[i];
-                for (int64_t c = 0; c < ss; c++) kt[c * BLK + i] = k[c];
+        /* Slot rows of a page-1 cache are scattered: ask for the next block's early. */
+        for (int pos = pb + PREFETCH * BLK; pos < pb + (PREFETCH + 1) * BLK && pos < t->p1; pos++) {
+            const int64_t o = ((((int64_t)row[pos >> a->page_shift]) << a->page_shift) | (pos & pmask)) * ss * esz;
+            for (int64_t c = 0; c < ss * esz; c += 64) {
+                __builtin_prefetch((const char *)a->k + o + c);
+                __builtin_prefetch((const char *)a->v + o + c);
             }
         }
-        for (int i = nt; i < BLK; i++)
-            for (int64_t c = 0; c < ss; c++) kt[c * BLK + i] = 0.0f;
+        if (dot) { /* K rows as they are (fp32) or widened into kbuf (bf16) */
+            for (int i = 0; i < nt; i++) {
+                if (a->kv_bf16) {
+                    const uint16_t *k = (const uint16_t *)a->k + off[i], *v = (const uint16_t *)a->v + off[i];
+#pragma omp simd
+                    for (int64_t c = 0; c < ss; c++) kbuf[i * ss + c] = bf16_bits_to_f32(k[c]);
+#pragma omp simd
+                    for (int64_t c = 0; c < ss; c++) vbuf[i * ss + c] = bf16_bits_to_f32(v[c]);
+                }
+            }
+        } else { /* K transposed into kt[c][i] */
+            for (int i = 0; i < nt; i++) {
+                if (a->kv_bf16) {
+                    const uint16_t *k = (const uint16_t *)a->k + off[i], *v = (const uint16_t *)a->v + off[i];
+                    for (int64_t c = 0; c < ss; c++) kt[c * BLK + i] = bf16_bits_to_f32(k[c]);
+#pragma omp simd
+                    for (int64_t c = 0; c < ss; c++) vbuf[i * ss + c] = bf16_bits_to_f32(v[c]);
+                } else {
+                    const float *k = (const float *)a->k + off[i];
+                    for (int64_t c = 0; c < ss; c++) kt[c * BLK + i] = k[c];
+                }
+            }
+            for (int i = nt; i < BLK; i++)
+                for (int64_t c = 0; c < ss; c++) kt[c * BLK + i] = 0.0f;
+        }
         for (int jj = 0; jj < nj; jj++)
             for (int i = 0; i < BLK; i++) {
                 const int pos = pb + i, w = pos - full, j = t->j0 + jj;
@@ -178,8 +245,16 @@ static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, fl
             }
         for (int h = 0; h < Hkv; h++) {
             const float *qh = qf + (size_t)h * nrp * D;
-            for (int r0 = 0; r0 < nrp; r0 += RT)
-                scores_tile(s + (size_t)r0 * BLK, qh + (size_t)r0 * D, kt + (size_t)h * D * BLK, D);
+#if DOT_PATH
+            if (dot) {
+                const float *krow[BLK];
+                for (int i = 0; i < nt; i++)
+                    krow[i] = (a->kv_bf16 ? kbuf + i * ss : (const float *)a->k + off[i]) + (int64_t)h * D;
+                scores_dot(s, qh, nrh, krow, nt, D);
+            } else
+#endif
+                for (int r0 = 0; r0 < nrp; r0 += RT)
+                    scores_tile(s + (size_t)r0 * BLK, qh + (size_t)r0 * D, kt + (size_t)h * D * BLK, D);
             /* Online softmax, one vector per row over the block; the probabilities overwrite s. */
             for (int rr = 0; rr < nrh; rr++) {
                 const int r = h * nrp + rr;
