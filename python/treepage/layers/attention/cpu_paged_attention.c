@@ -24,7 +24,7 @@
 #define RT 4          /* rows per register tile */
 #define MIN_CHUNK 256 /* smallest KV chunk worth a task of its own */
 #define PARALLEL_WORK 1024 /* KV positions x query tiles below which a call runs single-threaded */
-#define PREFETCH 1     /* blocks ahead whose slot rows are prefetched */
+#define PREFETCH 2     /* blocks ahead whose slot rows are prefetched (into L2) */
 #define NEG (-1e30f)  /* finite "minus infinity": masked scores never reach exp */
 
 typedef struct {
@@ -207,8 +207,8 @@ static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, fl
         for (int pos = pb + PREFETCH * BLK; pos < pb + (PREFETCH + 1) * BLK && pos < t->p1; pos++) {
             const int64_t o = ((((int64_t)row[pos >> a->page_shift]) << a->page_shift) | (pos & pmask)) * ss * esz;
             for (int64_t c = 0; c < ss * esz; c += 64) {
-                __builtin_prefetch((const char *)a->k + o + c);
-                __builtin_prefetch((const char *)a->v + o + c);
+                __builtin_prefetch((const char *)a->k + o + c, 0, 1);
+                __builtin_prefetch((const char *)a->v + o + c, 0, 1);
             }
         }
         if (dot) { /* K rows as they are (fp32) or widened into kbuf (bf16) */
