@@ -4,6 +4,8 @@ fp16, a CUDA tensor) the same modes run in plain torch: K/V gathered by page tab
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
@@ -106,7 +108,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     # False forces the torch path (benchmarks compare the two; tests cover both).
     use_kernel: bool = True
 
-    def kernel_for(self, q: torch.Tensor, k_cache: torch.Tensor):
+    def kernel_for(self, q: torch.Tensor, k_cache: torch.Tensor) -> ctypes.CDLL | None:
         """The C kernel when it applies to these tensors, else None (the torch path runs)."""
         if not self.use_kernel or q.device.type != "cpu" or k_cache.device.type != "cpu":
             return None
