@@ -372,6 +372,7 @@ def test_models_health_info_and_flush(client, url):
     for path in ("/get_server_info", "/server_info"):
         info = httpx.get(f"{url}{path}").json()
         assert info["context_length"] == 512 and info["page_size"] == 4 and info["served_model_name"] == MODEL
+        assert info["dtype"] == "float32" and info["dtype_reason"] == "--dtype float32"
     model_info = httpx.get(f"{url}/get_model_info").json()
     assert model_info["architectures"] == ["LlamaForCausalLM"] and model_info["is_generation"] is True
     for method in ("POST", "GET"):

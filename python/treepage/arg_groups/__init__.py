@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import torch
 
 from treepage.arg_groups.speculative import resolve_speculative
 from treepage.layers.attention.registry import get_backend_class
 from treepage.server_args import ArgumentError, ServerArgs
 
+logger = logging.getLogger(__name__)
+
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}
+# CPU features with bf16 arithmetic in hardware: x86 AMX and AVX512-BF16, Arm BF16 (BFMMLA/BFDOT) and SVE BF16.
+# Without one of them torch widens bf16 to fp32 in software, and bf16 matmuls run slower than fp32 ones.
+NATIVE_BF16_FEATURES = ("amx_bf16", "avx512_bf16", "bf16", "sve_bf16")
 
 
 def resolve_device(args: ServerArgs) -> str:
@@ -21,14 +30,70 @@ def resolve_device(args: ServerArgs) -> str:
     return args.device
 
 
-def resolve_dtype(args: ServerArgs, device: str) -> torch.dtype:
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    reason: str
+
+
+def choose_cpu_dtype(features: Mapping[str, object]) -> DtypeChoice:
+    """`--dtype auto` on a CPU with these features (name -> present): bf16 only where it is computed natively.
+
+    "AVX512" alone is not enough (AVX-512F without BF16 emulates bf16 matmuls, ~2x slower than fp32).
+    """
+    native = [f for f in NATIVE_BF16_FEATURES if features.get(f)]
+    if native:
+        return DtypeChoice(
+            torch.bfloat16, f"--dtype auto: the CPU computes bf16 natively ({', '.join(native)})"
+        )
+    return DtypeChoice(
+        torch.float32,
+        "--dtype auto: the CPU has no native bf16 (no AVX512-BF16, AMX or Arm BF16), so bf16 matmuls would be "
+        "emulated; fp32 is faster",
+    )
+
+
+def parse_cpuinfo_features(text: str) -> dict[str, bool]:
+    """Feature names of the first CPU in /proc/cpuinfo text ("flags" on x86, "Features" on Arm)."""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return dict.fromkeys(value.split(), True)
+    return {}
+
+
+def cpu_features() -> dict[str, bool]:
+    """The CPU's features as torch probes them at run time (torch.cpu.get_capabilities), else /proc/cpuinfo.
+
+    (torch.backends.cpu.get_cpu_capability() names only the vector ISA torch dispatches to, "AVX512" with or
+    without BF16, so it cannot answer this.)
+    """
+    get_caps = getattr(torch.cpu, "get_capabilities", None)
+    if get_caps is not None:
+        try:
+            return {k: bool(v) for k, v in get_caps().items() if isinstance(v, bool)}
+        except RuntimeError:
+            pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            return parse_cpuinfo_features(f.read())
+    except OSError:
+        return {}
+
+
+def dtype_choice(args: ServerArgs, device: str) -> DtypeChoice:
     name = _DTYPE_ALIASES.get(args.dtype, args.dtype)
-    if name == "auto":
-        if device == "cuda":
-            return torch.bfloat16
-        # bf16 matmuls are fast only with native bf16 support on the CPU (AVX512-BF16 / AMX).
-        return torch.bfloat16 if "AVX512" in torch.backends.cpu.get_cpu_capability() else torch.float32
-    return getattr(torch, name)
+    if name != "auto":
+        return DtypeChoice(getattr(torch, name), f"--dtype {args.dtype}")
+    if device == "cuda":
+        return DtypeChoice(torch.bfloat16, "--dtype auto on CUDA")
+    return choose_cpu_dtype(cpu_features())
+
+
+def resolve_dtype(args: ServerArgs, device: str) -> torch.dtype:
+    choice = dtype_choice(args, device)
+    logger.info("dtype %s (%s)", str(choice.dtype).removeprefix("torch."), choice.reason)
+    return choice.dtype
 
 
 def resolve_server_args(args: ServerArgs, architecture: str = "LlamaForCausalLM") -> ServerArgs:

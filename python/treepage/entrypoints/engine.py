@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import torch
 
-from treepage.arg_groups import resolve_dtype, resolve_server_args
+from treepage.arg_groups import dtype_choice, resolve_dtype, resolve_server_args
 from treepage.arg_groups.speculative import apply_default_server_speculation
 from treepage.core import Req, SamplingParams, new_rid
 from treepage.managers.scheduler import Scheduler
@@ -230,6 +230,7 @@ class Engine:
             "version": "0.1.0",
             "device": a.device,
             "dtype": str(self.dtype).replace("torch.", ""),
+            "dtype_reason": dtype_choice(a, a.device).reason,
             "page_size": a.page_size,
             "attention_backend": a.attention_backend,
             "context_length": self.context_len,

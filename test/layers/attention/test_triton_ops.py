@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from treepage.layers.attention import (
+    cpu_kernels,
     torch_native_backend,
     triton_ops,  # noqa: F401  (selects the interpreter without a GPU)
 )
@@ -381,9 +382,10 @@ def test_bf16(kernel):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["decode", "verify"])
 def test_torch_native_batched_matches_dense(P, dtype, kind, monkeypatch):
-    """Decode and the tree verify (every request N queries) run as batched matmuls over head-major K/V,
-    in one call or split into request chunks."""
+    """Without the C kernel, decode and the tree verify (every request N queries) run as batched matmuls over
+    head-major K/V, in one call or split into request chunks."""
     native = TorchNativeAttnBackend()
+    native.use_kernel = False
     calls = []
     batched = native.attend_uniform
     monkeypatch.setattr(native, "attend_uniform", lambda *a: calls.append(a[-1]) or batched(*a))
@@ -404,8 +406,132 @@ def test_torch_native_batched_matches_dense(P, dtype, kind, monkeypatch):
 
 
 def test_torch_native_ragged_verify_runs_per_request(monkeypatch):
-    """Unequal q_lens cannot share the batched layout: extend falls back to one SDPA per request."""
+    """Without the C kernel, unequal q_lens cannot share the batched layout: one SDPA per request."""
     native = TorchNativeAttnBackend()
+    native.use_kernel = False
     monkeypatch.setattr(native, "attend_uniform", lambda *a: pytest.fail("batched path on ragged q_lens"))
     cache, q, meta, ref = make_extend(4, torch.float32, tree=True, seed=50)
+    assert_close(native.extend(q, finite(cache).k, cache.v, meta, 0.3), ref, torch.float32)
+
+
+# ---------------------------------------------------------------- the CPU kernel (torch_native) vs dense
+
+needs_kernel = pytest.mark.skipif(
+    CUDA or cpu_kernels.load() is None, reason="the C kernel serves CPU tensors and needs a C compiler"
+)
+
+
+def kernel_backend(monkeypatch) -> TorchNativeAttnBackend:
+    """torch_native with its torch fallbacks made to fail: every call below must run in the kernel."""
+    native = TorchNativeAttnBackend()
+    monkeypatch.setattr(native, "attend_uniform", lambda *a: pytest.fail("torch path instead of the kernel"))
+    monkeypatch.setattr(torch_native_backend, "gather_by_page_table", lambda *a: pytest.fail("gathered K/V"))
+    return native
+
+
+@needs_kernel
+@pytest.mark.parametrize("P", PAGES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["decode", "verify", "ragged_verify", "extend", "cascade1", "cascade8"])
+def test_cpu_kernel_matches_dense(P, dtype, kind, monkeypatch):
+    """Every mode the kernel serves, on NaN-poisoned caches: a read of a padding page, of a position past a
+    length or of another request's page shows up as NaN."""
+    native = kernel_backend(monkeypatch)
+    if kind == "decode":
+        cache, q, meta, ref = make_decode(P, dtype, seed=60 + P)
+        out, scale = native.decode, 0.25
+    elif kind in ("verify", "ragged_verify", "extend"):
+        uniform = 7 if kind == "verify" else 0
+        cache, q, meta, ref = make_extend(P, dtype, tree=kind != "extend", seed=61 + P, uniform_q_len=uniform)
+        out, scale = native.extend, 0.3
+    else:
+        cache, q, meta, ref = make_cascade(P, int(kind[-1]), dtype, seed=62 + P)
+        out, scale = native.cascade_draft_decode, 0.2
+    o = out(q, cache.k, cache.v, meta, scale)
+    assert o.dtype == dtype and o.shape == q.shape
+    assert_close(o, ref, dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("P", [1, 16])
+def test_cpu_kernel_cascade_empty_shared_prefix(P, monkeypatch):
+    native = kernel_backend(monkeypatch)
+    cache, q, meta, ref = make_cascade(P, 8, torch.float32, seed=11, empty_shared=True)
+    for width in (meta.shared_page_table.shape[1], 0):  # all-padding table, then a zero-width one
+        meta.shared_page_table = meta.shared_page_table[:, :width].contiguous()
+        meta.derived.clear()
+        assert_close(native.cascade_draft_decode(q, cache.k, cache.v, meta, 0.2), ref, torch.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("P", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_model_shapes(P, dtype, monkeypatch):
+    """SmolLM2's heads (9 query, 3 kv: a group of 3, head dim 64), contexts long enough to be split into
+    several KV chunks across threads, a verify with more queries than one task's tile (the transposed-K path)
+    and a decode (the dot-product path), against the dense reference and the torch path."""
+    hkv, hq, d = 3, 9, 64
+    lens, n = [1100, 300, 1, 733], 21
+    gen = torch.Generator().manual_seed(P)
+    cache = PagedCache(sum(-(-(x + n) // P) for x in lens) + 3, P, hkv, d, dtype, seed=70 + P)
+    kv = [x + n for x in lens]
+    table = cache.table(kv)
+    q = torch.randn(len(lens) * n, hq, d, generator=gen).to(dtype)
+    rng = random.Random(P)
+    masks = [tree_mask(n, rng) for _ in lens]
+    meta = AttentionMetadata(
+        mode=ForwardMode.TARGET_VERIFY,
+        page_size=P,
+        page_table=table,
+        qo_indptr=torch.arange(0, (len(lens) + 1) * n, n, dtype=torch.int32),
+        prefix_lens=torch.tensor(lens, dtype=torch.int32),
+        kv_lens=torch.tensor(kv, dtype=torch.int32),
+        max_q_len=n,
+        max_kv_len=max(kv),
+        custom_mask=torch.cat([m.reshape(-1) for m in masks]),
+        mask_indptr=torch.arange(0, (len(lens) + 1) * n * n, n * n, dtype=torch.int32),
+    )
+    ref = []
+    for b, L in enumerate(lens):
+        k, v = cache.gather(table[b], kv[b])
+        vis = torch.cat([torch.ones(n, L, dtype=torch.bool), masks[b]], 1)
+        ref.append(dense_ref(q[b * n : (b + 1) * n], k, v, vis, 0.125))
+    ref = torch.cat(ref)
+    out = kernel_backend(monkeypatch).extend(q, cache.k, cache.v, meta, 0.125)
+    assert_close(out, ref, dtype)
+    # Decode (3 rows per kv head: the dot-product path) of each request's last query over the same pages.
+    dec = AttentionMetadata(
+        mode=ForwardMode.DECODE,
+        page_size=P,
+        page_table=table,
+        qo_indptr=torch.arange(len(lens) + 1, dtype=torch.int32),
+        prefix_lens=meta.kv_lens - 1,
+        kv_lens=meta.kv_lens,
+        max_q_len=1,
+        max_kv_len=max(kv),
+    )
+    qd = q[n - 1 :: n].contiguous()
+    dec_ref = []
+    for b in range(len(lens)):
+        k, v = cache.gather(table[b], kv[b])
+        dec_ref.append(dense_ref(qd[b : b + 1], k, v, torch.ones(1, kv[b], dtype=torch.bool), 0.125))
+    dec_out = kernel_backend(monkeypatch).decode(qd, cache.k, cache.v, dec, 0.125)
+    assert_close(dec_out, torch.cat(dec_ref), dtype)
+    monkeypatch.undo()
+    torch_path = TorchNativeAttnBackend()
+    torch_path.use_kernel = False
+    expect = torch_path.extend(q, finite(cache).k, cache.v, meta, 0.125)
+    assert (out.double() - expect.double()).abs().max().item() < tol(dtype)
+
+
+@needs_kernel
+def test_cpu_kernel_not_used_for_fp16_or_long_prefill(monkeypatch):
+    """fp16 has no kernel variant and long prefills are SDPA's: both take the torch path."""
+    native = TorchNativeAttnBackend()
+    cache, q, meta, ref = make_decode(4, torch.float16, seed=80)
+    assert native.kernel_for(q, cache.k) is None
+    assert_close(native.decode(q, finite(cache).k, cache.v, meta, 0.25), ref, torch.float16)
+    monkeypatch.setattr(torch_native_backend, "KERNEL_MAX_EXTEND", 4)
+    monkeypatch.setattr(cpu_kernels, "paged_attention", lambda *a, **k: pytest.fail("kernel on a prefill"))
+    cache, q, meta, ref = make_extend(4, torch.float32, tree=False, seed=81)
     assert_close(native.extend(q, finite(cache).k, cache.v, meta, 0.3), ref, torch.float32)

@@ -1,7 +1,7 @@
 """A backend without the cascade: each draft query reads the shared prefix again through its own page table.
 
-Extend and decode are torch_native's (SDPA on KV gathered by page table). Because the draft decode re-reads
-the prefix once per branch, routing refuses topk > 1 with page_size > 1 on it.
+Extend and decode are torch_native's (on CPU its paged kernel, else SDPA on KV gathered by page table). Because
+the draft decode re-reads the prefix once per branch, routing refuses topk > 1 with page_size > 1 on it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,403 @@
+/* Paged attention for CPU decode, tree verify, short extends and the cascade draft passes. K/V are read in place
+ * through the page table, each slot row once per task, in their stored dtype (fp32 or bf16, widened to fp32 in
+ * an L1-sized block buffer): no context-sized copy is ever made.
+ *
+ * Request b owns query rows [q_start[b], q_start[b+1]) and KV positions [0, kv_len[b]); position p lives in slot
+ * table[b * table_stride + p / P] * P + p % P. Positions below full_len[b] are visible to every query of b; the
+ * window [full_len[b], kv_len[b]) is visible to query j at window offset i when
+ *   mask_kind 0: always,  1: i <= j (causal),  2: mask[mask_start[b] + j * nq + i] (tree; nq = window length).
+ * Work is split into tasks (request, tile of queries, KV chunk), each over every kv head, so that one long
+ * request still fills every thread and requests of different lengths need no padding; chunk results carry
+ * (max, sum, acc) and are merged by log-sum-exp.
+ *
+ * Outputs: out [rows, Hq, D] fp32, and when lse != NULL the natural-log LSE [rows, Hq] (-inf: nothing visible,
+ * out 0). Returns nonzero when scratch memory could not be allocated. Compiled at first use by cpu_kernels.py;
+ * without a C compiler the torch path runs instead.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLK 32        /* KV positions per inner block */
+#define QTILE 16      /* queries per task */
+#define RT 4          /* rows per register tile */
+#define MIN_CHUNK 256 /* smallest KV chunk worth a task of its own */
+#define PARALLEL_WORK 1024 /* KV positions x query tiles below which a call runs single-threaded */
+#define PREFETCH 2     /* blocks ahead whose slot rows are prefetched (into L2) */
+#define NEG (-1e30f)  /* finite "minus infinity": masked scores never reach exp */
+
+typedef struct {
+    const void *q, *k, *v;
+    int q_bf16, kv_bf16;
+    const int32_t *table;
+    int64_t table_stride;
+    int page_shift;
+    const int32_t *q_start, *kv_len, *full_len;
+    int mask_kind;
+    const uint8_t *mask;
+    const int64_t *mask_start;
+    int Hq, Hkv, D;
+    float scale;
+} Args;
+
+typedef struct {
+    int b, j0, j1, p0, p1; /* request, its queries [j0, j1), its KV positions [p0, p1) */
+} Task;
+
+static inline float bf16_bits_to_f32(uint16_t x) {
+    union {
+        uint32_t u;
+        float f;
+    } c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+
+/* exp(x) for x <= 0 in a form the compiler vectorizes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], with the
+ * classic degree-6 minimax polynomial (relative error ~1e-7). Below -87 it returns ~1e-38 instead of 0. */
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union {
+        int32_t i;
+        float f;
+    } e;
+    e.i = ((int32_t)n + 127) << 23;
+    return p * e.f;
+}
+
+/* s[u][0:BLK] = q[u] . kt[:, 0:BLK] for RT rows: RT independent vector accumulators over d. */
+static inline void scores_tile(float *restrict s, const float *restrict q, const float *restrict kt, int D) {
+    float acc[RT][BLK] = {{0}};
+    for (int d = 0; d < D; d++) {
+        const float *kd = kt + (size_t)d * BLK;
+        for (int u = 0; u < RT; u++) {
+            const float qd = q[(size_t)u * D + d];
+#pragma omp simd
+            for (int i = 0; i < BLK; i++) acc[u][i] += qd * kd[i];
+        }
+    }
+    memcpy(s, acc, sizeof(acc));
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define DOT_PATH 1
+/* Lane i of the result = the sum of the 16 lanes of v[i]: pairwise transposing adds, 45 operations in all. */
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 x[8], z[4], u[2];
+    for (int k = 0; k < 8; k++) /* 128-bit lane j: [a_j0+a_j2, b_j0+b_j2, a_j1+a_j3, b_j1+b_j3] */
+        x[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) /* lane j: lane-j sums of 4 vectors */
+        z[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int k = 0; k < 2; k++) /* lanes [z0+z1, z2+z3, w0+w1, w2+w3] */
+        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * k], z[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(z[2 * k], z[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* s[u][0:BLK] = q[u] . k_i for nr rows against K rows in their natural layout (D a multiple of 16): for few rows
+ * (decode, cascade) this beats transposing the block first. Positions i >= nt get 0. */
+static void scores_dot(float *s, const float *q, int nr, const float *const *krow, int nt, int D) {
+    for (int u = 0; u < nr; u++) {
+        const float *qu = q + (size_t)u * D;
+        for (int i0 = 0; i0 < BLK; i0 += 16) {
+            __m512 acc[16];
+            for (int i = 0; i < 16; i++) {
+                if (i0 + i >= nt) {
+                    acc[i] = _mm512_setzero_ps();
+                    continue;
+                }
+                const float *k = krow[i0 + i];
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qu), _mm512_loadu_ps(k));
+                for (int d = 16; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qu + d), _mm512_loadu_ps(k + d), a);
+                acc[i] = a;
+            }
+            _mm512_storeu_ps(s + (size_t)u * BLK + i0, hsum16(acc));
+        }
+    }
+}
+#else
+#define DOT_PATH 0
+#endif
+
+/* acc[u][0:D] += sum_i p[u][i] * v_i[0:D] for RT rows. With D a multiple of 16, 16 columns at a time whose RT
+ * vector accumulators stay in registers across the block. */
+static inline void pv_tile(float *restrict acc, const float *restrict p, const float *const *vrow, int nt, int D) {
+    if (D % 16) {
+        for (int i = 0; i < nt; i++)
+            for (int u = 0; u < RT; u++)
+                for (int d = 0; d < D; d++) acc[(size_t)u * D + d] += p[u * BLK + i] * vrow[i][d];
+        return;
+    }
+    for (int d0 = 0; d0 < D; d0 += 16) {
+        float a[RT][16];
+        for (int u = 0; u < RT; u++)
+#pragma omp simd
+            for (int l = 0; l < 16; l++) a[u][l] = acc[(size_t)u * D + d0 + l];
+        for (int i = 0; i < nt; i++) {
+            const float *restrict v = vrow[i] + d0;
+            for (int u = 0; u < RT; u++) {
+                const float pu = p[u * BLK + i];
+#pragma omp simd
+                for (int l = 0; l < 16; l++) a[u][l] += pu * v[l];
+            }
+        }
+        for (int u = 0; u < RT; u++)
+#pragma omp simd
+            for (int l = 0; l < 16; l++) acc[(size_t)u * D + d0 + l] = a[u][l];
+    }
+}
+
+/* Query rows of one kv head in a task, padded to whole register tiles. */
+static inline int rows_padded(const Task *t, int G) { return ((t->j1 - t->j0) * G + RT - 1) / RT * RT; }
+
+/* One task: queries [j0, j1) of request b (all heads) against its KV positions [p0, p1), BLK positions at a time.
+ * Each block's slot rows (every kv head, contiguous in the cache) are read once: K transposed into kt[c][i]
+ * (c = head * D + d), V in place (fp32) or widened into vbuf (bf16). Rows of kv head h are rr = (j - j0) * G + g,
+ * padded to a multiple of RT (padding rows have q = 0 and p = 0); m/l/acc row index = h * nrp + rr. */
+static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, float *acc) {
+    const int Hq = a->Hq, Hkv = a->Hkv, D = a->D, G = Hq / Hkv, b = t->b;
+    const int nj = t->j1 - t->j0, nrh = nj * G, nrp = rows_padded(t, G);
+    const int full = a->full_len[b], nwin = a->kv_len[b] - full;
+    const int64_t m0 = a->mask_kind == 2 ? a->mask_start[b] : 0;
+    const int64_t ss = (int64_t)Hkv * D; /* slot stride in elements */
+    const int32_t *row = a->table + b * a->table_stride;
+    const int pmask = (1 << a->page_shift) - 1;
+    const size_t qn = (size_t)Hkv * nrp * D, bn = (size_t)BLK * ss;
+    float *qf = calloc(qn + 2 * bn + (size_t)nrp * BLK + (size_t)nj * BLK, sizeof(float));
+    if (!qf) return 1;
+    float *kt = qf + qn, *vbuf = kt + bn, *s = vbuf + bn, *vis = s + (size_t)nrp * BLK;
+    float *kbuf = kt; /* the dot path widens bf16 K rows here instead */
+    const int dot = DOT_PATH && D % 16 == 0 && nrh < 16;
+    const int esz = a->kv_bf16 ? 2 : 4;
+    for (int j = t->j0; j < t->j1; j++)
+        for (int hq = 0; hq < Hq; hq++) {
+            const int64_t src = ((int64_t)(a->q_start[b] + j) * Hq + hq) * D;
+            float *dst = qf + ((size_t)(hq / G) * nrp + (size_t)(j - t->j0) * G + hq % G) * D;
+            for (int d = 0; d < D; d++)
+                dst[d] = (a->q_bf16 ? bf16_bits_to_f32(((const uint16_t *)a->q)[src + d])
+                                    : ((const float *)a->q)[src + d]) * a->scale;
+        }
+    for (int r = 0; r < Hkv * nrp; r++) {
+        m_out[r] = NEG;
+        l_out[r] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)Hkv * nrp * D);
+    const float *vrow[BLK];
+    int64_t off[BLK];
+    for (int pb = t->p0; pb < t->p1; pb += BLK) {
+        const int nt = t->p1 - pb < BLK ? t->p1 - pb : BLK;
+        for (int i = 0; i < nt; i++) {
+            const int pos = pb + i;
+            off[i] = ((((int64_t)row[pos >> a->page_shift]) << a->page_shift) | (pos & pmask)) * ss;
+        }
+        /* Slot rows of a page-1 cache are scattered: ask for the next block's early. */
+        for (int pos = pb + PREFETCH * BLK; pos < pb + (PREFETCH + 1) * BLK && pos < t->p1; pos++) {
+            const int64_t o = ((((int64_t)row[pos >> a->page_shift]) << a->page_shift) | (pos & pmask)) * ss * esz;
+            for (int64_t c = 0; c < ss * esz; c += 64) {
+                __builtin_prefetch((const char *)a->k + o + c, 0, 1);
+                __builtin_prefetch((const char *)a->v + o + c, 0, 1);
+            }
+        }
+        if (dot) { /* K rows as they are (fp32) or widened into kbuf (bf16) */
+            for (int i = 0; i < nt; i++) {
+                if (a->kv_bf16) {
+                    const uint16_t *k = (const uint16_t *)a->k + off[i], *v = (const uint16_t *)a->v + off[i];
+#pragma omp simd
+                    for (int64_t c = 0; c < ss; c++) kbuf[i * ss + c] = bf16_bits_to_f32(k[c]);
+#pragma omp simd
+                    for (int64_t c = 0; c < ss; c++) vbuf[i * ss + c] = bf16_bits_to_f32(v[c]);
+                }
+            }
+        } else { /* K transposed into kt[c][i] */
+            for (int i = 0; i < nt; i++) {
+                if (a->kv_bf16) {
+                    const uint16_t *k = (const uint16_t *)a->k + off[i], *v = (const uint16_t *)a->v + off[i];
+                    for (int64_t c = 0; c < ss; c++) kt[c * BLK + i] = bf16_bits_to_f32(k[c]);
+#pragma omp simd
+                    for (int64_t c = 0; c < ss; c++) vbuf[i * ss + c] = bf16_bits_to_f32(v[c]);
+                } else {
+                    const float *k = (const float *)a->k + off[i];
+                    for (int64_t c = 0; c < ss; c++) kt[c * BLK + i] = k[c];
+                }
+            }
+            for (int i = nt; i < BLK; i++)
+                for (int64_t c = 0; c < ss; c++) kt[c * BLK + i] = 0.0f;
+        }
+        for (int jj = 0; jj < nj; jj++)
+            for (int i = 0; i < BLK; i++) {
+                const int pos = pb + i, w = pos - full, j = t->j0 + jj;
+                int ok = i < nt && (w < 0 || a->mask_kind == 0 || (a->mask_kind == 1 && w <= j) ||
+                                    (a->mask_kind == 2 && a->mask[m0 + (int64_t)j * nwin + w]));
+                vis[jj * BLK + i] = ok ? 1.0f : 0.0f;
+            }
+        for (int h = 0; h < Hkv; h++) {
+            const float *qh = qf + (size_t)h * nrp * D;
+#if DOT_PATH
+            if (dot) {
+                const float *krow[BLK];
+                for (int i = 0; i < nt; i++)
+                    krow[i] = (a->kv_bf16 ? kbuf + i * ss : (const float *)a->k + off[i]) + (int64_t)h * D;
+                scores_dot(s, qh, nrh, krow, nt, D);
+            } else
+#endif
+                for (int r0 = 0; r0 < nrp; r0 += RT)
+                    scores_tile(s + (size_t)r0 * BLK, qh + (size_t)r0 * D, kt + (size_t)h * D * BLK, D);
+            /* Online softmax, one vector per row over the block; the probabilities overwrite s. */
+            for (int rr = 0; rr < nrh; rr++) {
+                const int r = h * nrp + rr;
+                float *sr = s + (size_t)rr * BLK;
+                const float *vj = vis + (rr / G) * BLK;
+                float bm = NEG;
+#pragma omp simd reduction(max : bm)
+                for (int i = 0; i < BLK; i++) {
+                    const float x = vj[i] != 0.0f ? sr[i] : NEG;
+                    bm = x > bm ? x : bm;
+                }
+                if (bm == NEG) { /* nothing visible in this block */
+                    memset(sr, 0, sizeof(float) * BLK);
+                    continue;
+                }
+                const float mn = bm > m_out[r] ? bm : m_out[r];
+                const float alpha = exp_nonpos(m_out[r] - mn);
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (int i = 0; i < BLK; i++) {
+                    const float e = vj[i] * exp_nonpos((vj[i] != 0.0f ? sr[i] : mn) - mn);
+                    sr[i] = e;
+                    sum += e;
+                }
+                l_out[r] = l_out[r] * alpha + sum;
+                m_out[r] = mn;
+                if (alpha != 1.0f) {
+                    float *ar = acc + (size_t)r * D;
+#pragma omp simd
+                    for (int d = 0; d < D; d++) ar[d] *= alpha;
+                }
+            }
+            memset(s + (size_t)nrh * BLK, 0, sizeof(float) * (size_t)(nrp - nrh) * BLK);
+            for (int i = 0; i < nt; i++)
+                vrow[i] = (a->kv_bf16 ? vbuf + i * ss : (const float *)a->v + off[i]) + (int64_t)h * D;
+            for (int r0 = 0; r0 < nrp; r0 += RT)
+                pv_tile(acc + ((size_t)h * nrp + r0) * D, s + (size_t)r0 * BLK, vrow, nt, D);
+        }
+    }
+    free(qf);
+    return 0;
+}
+
+int paged_attention(const void *q, int q_bf16, const void *k_cache, const void *v_cache, int kv_bf16,
+                    const int32_t *table, int64_t table_stride, int P, const int32_t *q_start,
+                    const int32_t *kv_len, const int32_t *full_len, int mask_kind, const uint8_t *mask,
+                    const int64_t *mask_start, int B, int Hq, int Hkv, int D, float scale, float *out, float *lse,
+                    int nthreads) {
+    Args a = {q, k_cache, v_cache, q_bf16, kv_bf16, table, table_stride, 0, q_start, kv_len, full_len,
+              mask_kind, mask, mask_start, Hq, Hkv, D, scale};
+    while ((1 << a.page_shift) < P) a.page_shift++; /* P is a power of two (the allocator checks) */
+    /* KV chunk length: at least MIN_CHUNK, short enough for ~4 tasks per thread over the whole batch. */
+    int64_t work = 0;
+    for (int b = 0; b < B; b++) work += (int64_t)kv_len[b] * ((q_start[b + 1] - q_start[b] + QTILE - 1) / QTILE);
+    /* Small calls stay on this thread: waking the pool costs more than they do (and much more on a busy host). */
+    const int parallel = nthreads > 1 && work >= PARALLEL_WORK;
+    int64_t chunk = (work + 4 * (int64_t)nthreads - 1) / (4 * (int64_t)nthreads);
+    chunk = chunk < MIN_CHUNK ? MIN_CHUNK : (chunk + BLK - 1) / BLK * BLK;
+    int64_t ntasks = 0, ngroups = 0;
+    for (int b = 0; b < B; b++) {
+        const int64_t nt = (q_start[b + 1] - q_start[b] + QTILE - 1) / QTILE;
+        ntasks += nt * (kv_len[b] > 0 ? (kv_len[b] + chunk - 1) / chunk : 1);
+        ngroups += nt;
+    }
+    Task *tasks = malloc(sizeof(Task) * (size_t)(ntasks + 1));
+    int64_t *group_first = malloc(sizeof(int64_t) * (size_t)(ngroups + 1));
+    const int G = Hq / Hkv;
+    const int64_t per_task = (int64_t)Hkv * ((QTILE * G + RT - 1) / RT * RT) * (D + 2);
+    float *scratch = malloc(sizeof(float) * (size_t)(ntasks * per_task + 1));
+    if (!tasks || !group_first || !scratch) {
+        free(tasks);
+        free(group_first);
+        free(scratch);
+        return 1;
+    }
+    int64_t n = 0, gi = 0;
+    for (int b = 0; b < B; b++) {
+        const int nq = q_start[b + 1] - q_start[b];
+        for (int j0 = 0; j0 < nq; j0 += QTILE) {
+            group_first[gi++] = n;
+            const int j1 = j0 + QTILE < nq ? j0 + QTILE : nq;
+            int p0 = 0;
+            do {
+                const int p1 = p0 + chunk < kv_len[b] ? p0 + (int)chunk : kv_len[b];
+                tasks[n++] = (Task){b, j0, j1, p0, p1};
+                p0 = p1;
+            } while (p0 < kv_len[b]);
+        }
+    }
+    group_first[gi] = n;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (parallel)
+    for (int64_t i = 0; i < ntasks; i++) {
+        const int nr = Hkv * rows_padded(&tasks[i], G);
+        float *m = scratch + i * per_task, *l = m + nr, *acc = l + nr;
+        if (run_task(&a, &tasks[i], m, l, acc)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+    }
+    if (failed) {
+        free(tasks);
+        free(group_first);
+        free(scratch);
+        return 1;
+    }
+    /* Merge the KV chunks of each query tile by log-sum-exp. */
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (parallel)
+    for (int64_t g = 0; g < ngroups; g++) {
+        const Task *t0 = &tasks[group_first[g]];
+        const int nrp = rows_padded(t0, G), nr = Hkv * nrp;
+        for (int r = 0; r < nr; r++) {
+            const int h = r / nrp, rr = r % nrp;
+            if (rr >= (t0->j1 - t0->j0) * G) continue; /* padding row */
+            float mx = NEG;
+            for (int64_t i = group_first[g]; i < group_first[g + 1]; i++) {
+                const float mi = scratch[i * per_task + r];
+                mx = mi > mx ? mi : mx;
+            }
+            float l = 0.0f;
+            const int64_t row = q_start[t0->b] + t0->j0 + rr / G, head = h * G + rr % G;
+            float *o = out + (row * Hq + head) * D;
+            memset(o, 0, sizeof(float) * (size_t)D);
+            for (int64_t i = group_first[g]; i < group_first[g + 1]; i++) {
+                const float *base = scratch + i * per_task;
+                const float li = base[nr + r];
+                if (li == 0.0f) continue;
+                const float w = exp_nonpos(base[r] - mx);
+                const float *ai = base + 2 * nr + (int64_t)r * D;
+                l += li * w;
+#pragma omp simd
+                for (int d = 0; d < D; d++) o[d] += w * ai[d];
+            }
+            if (l > 0.0f) {
+                const float inv = 1.0f / l;
+#pragma omp simd
+                for (int d = 0; d < D; d++) o[d] *= inv;
+            }
+            if (lse) lse[row * Hq + head] = l > 0.0f ? mx + logf(l) : -INFINITY;
+        }
+    }
+    free(tasks);
+    free(group_first);
+    free(scratch);
+    return 0;
+}
