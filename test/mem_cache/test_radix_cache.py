@@ -66,6 +66,7 @@ class RadixMachine(RuleBasedStateMachine):
         got = self.alloc.alloc_pages(n_own)
         if got is None:
             self.cache.evict(n_own - self.alloc.num_free_pages())
+            self._resync()
             got = self.alloc.alloc_pages(n_own)
         if got is None:
             self.cache.unlock(m.node)

@@ -191,13 +191,14 @@ class Scheduler:
     def _remove(self, reqs: list[Req], reason: FinishReason, cache: bool = True) -> None:
         """Take requests out of the queues, release their state and memory, deliver their final output."""
         self.worker.release([r.rid for r in reqs])  # drains an in-flight round first
+        for r in reqs:  # memory first: is_idle() (read by other threads) must not see freed queues too early
+            self.planner.release(r, cache=cache)
         gone = {id(r) for r in reqs}
         self.waiting = deque(r for r in self.waiting if id(r) not in gone)
         self.running = [r for r in self.running if id(r) not in gone]
         if self.prefilling is not None and id(self.prefilling) in gone:
             self.prefilling = None
         for r in reqs:
-            self.planner.release(r, cache=cache)
             self.output.finish(r, reason if r.finished is None else None)
 
     # ---- prefill and decode -----------------------------------------------------------------------------------
