@@ -285,3 +285,27 @@ def test_accept_length_cache_on_equals_off(ckpts) -> None:
     assert rounds[True]["emitted"] == rounds[False]["emitted"]
     ratio = rounds[True]["rounds"] / rounds[False]["rounds"]
     assert abs(ratio - 1) <= 0.02, rounds
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_chunk_boundaries_are_cached_for_concurrent_requests(ckpts, spec, monkeypatch) -> None:
+    """A long prompt prefilled in 16-token chunks caches each chunk's whole pages at once: a request sharing the
+    prompt, admitted while the first is still decoding, hits all of them; tokens stay exact."""
+    monkeypatch.setenv("TREEPAGE_STRICT_MEM_CHECK", "1")
+    rng = random.Random(13)
+    prompt = rand_ids(rng, 100)
+    prompts = [prompt, prompt + rand_ids(rng, 2)]
+    params = {**SP, "max_new_tokens": 30}
+    kw = spec_args(ckpts, "EAGLE3", 8, 2) if spec else {}
+    got = {}
+    for cache in (False, True):
+        eng = make_engine(ckpts, 4, cache=cache, chunked_prefill_size=16, **kw)
+        try:
+            got[cache] = eng.generate(input_ids=prompts, sampling_params=params)
+            eng.wait_idle()
+            assert eng.memory_report()["used_pages"] == 0
+            eng.scheduler.check_memory()
+        finally:
+            eng.shutdown()
+    assert [o["output_ids"] for o in got[True]] == [o["output_ids"] for o in got[False]]
+    assert [o["meta_info"]["cached_tokens"] for o in got[True]] == [0, 96]

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
-
 from treepage.core import Req
-from treepage.mem_cache.memory_pool import grow_row, write_row_slots
+from treepage.mem_cache.memory_pool import grow_row, write_row_pages
 from treepage.mem_cache.radix_cache import RadixCache
 from treepage.mem_cache.sizing import ceil_div
 from treepage.model_executor.model_runner import SharedPools
@@ -77,10 +75,7 @@ class Admission:
             if row is None:
                 cache.unlock(match.node)
                 break
-            if m:
-                offs = torch.arange(self.page_size, dtype=torch.int64)
-                slots = (torch.tensor(match.pages, dtype=torch.int64)[:, None] * self.page_size + offs).reshape(-1)
-                write_row_slots(req_pool.req_to_token, row, 0, slots.to(req_pool.req_to_token.device))
+            write_row_pages(req_pool.req_to_token, row, match.pages, self.page_size)
             ok = grow_row(req_pool, allocator, row, m, n)
             assert ok, "pages were counted above"
             waiting.popleft()

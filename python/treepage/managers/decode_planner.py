@@ -7,7 +7,7 @@ rest: the partial last page, the decode reserve (2x under spec v2), draft-tree a
 from __future__ import annotations
 
 from treepage.core import Req
-from treepage.mem_cache.memory_pool import free_row
+from treepage.mem_cache.memory_pool import free_row, write_row_pages
 from treepage.mem_cache.radix_cache import RadixCache
 from treepage.mem_cache.sizing import (
     RowWidthError,
@@ -77,6 +77,27 @@ class DecodePlanner:
     def pick_victim(running: list[Req]) -> Req:
         """The newest request is retracted first: it has the least work to redo."""
         return max(running, key=lambda r: r.created)
+
+    def cache_prefix(self, r: Req) -> None:
+        """At a chunk boundary: put the committed whole pages in the tree now, so requests sharing the prompt hit
+        them before this one finishes. The row then points at the tree's pages (a copy another request cached
+        first was freed by `insert`) and this request locks them instead of its old, shorter path."""
+        cache, pool, P = self.cache, self.pools.req_to_token_pool, self.page_size
+        if cache.disabled or r.row < 0:
+            return
+        ids = r.all_ids()
+        n = cache.cacheable_len(ids, r.kv_committed_len)
+        if n <= r.cache_len:
+            return
+        key = cache.key_of(ids)[:n]
+        cache.insert(key, (pool.req_to_token[r.row, :n:P] // P).tolist())
+        match = cache.match_prefix(key)
+        assert len(match.pages) * P == n, "the tree holds what was just inserted"
+        cache.lock(match.node)
+        if r.cache_node is not None:
+            cache.unlock(r.cache_node)
+        write_row_pages(pool.req_to_token, r.row, match.pages, P)
+        r.cache_node, r.cache_len = match.node, n
 
     def release(self, r: Req, cache: bool = True) -> None:
         """Free the row. With `cache`, its committed whole pages go to the prefix cache first: only the request's

@@ -212,6 +212,7 @@ class Scheduler:
             r.kv_committed_len = out.committed_len
             if end < r.seq_len:
                 self.prefilling = r
+                self.planner.cache_prefix(r)  # requests sharing this prompt can hit it before it finishes
                 continue
             self.stats.prompt_tokens_total += len(r.input_ids)
             self.running.append(r)
