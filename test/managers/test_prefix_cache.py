@@ -309,3 +309,23 @@ def test_chunk_boundaries_are_cached_for_concurrent_requests(ckpts, spec, monkey
             eng.shutdown()
     assert [o["output_ids"] for o in got[True]] == [o["output_ids"] for o in got[False]]
     assert [o["meta_info"]["cached_tokens"] for o in got[True]] == [0, 96]
+
+
+def test_decode_evicts_before_it_retracts(ckpts, monkeypatch) -> None:
+    """Free pages run short mid-decode while the cache holds unlocked pages: they are evicted and no running
+    request is retracted."""
+    monkeypatch.setenv("TREEPAGE_STRICT_MEM_CHECK", "1")
+    rng = random.Random(17)
+    eng = make_engine(ckpts, 4, max_total_tokens=200)  # 50 pages
+    try:
+        eng.generate(input_ids=rand_ids(rng, 100), sampling_params={**SP, "max_new_tokens": 20})
+        eng.wait_idle()
+        assert eng.memory_report()["cached_pages"] == 29  # 119 committed tokens: 29 whole pages
+        outs = eng.generate(input_ids=[rand_ids(rng, 20) for _ in range(2)], sampling_params={**SP, "max_new_tokens": 60})
+        assert all(len(o["output_ids"]) == 60 for o in outs)
+        st = eng.scheduler.stats
+        assert st.num_retracted == 0 and st.cache_evicted_pages >= 10, st
+        eng.wait_idle()
+        assert eng.memory_report()["used_pages"] == 0
+    finally:
+        eng.shutdown()

@@ -237,7 +237,7 @@ class Scheduler:
             try:
                 short = self.planner.pages_needed(self.running) - self.allocator.num_free_pages()
                 if short > 0 and self.cache.evictable_pages() > 0:
-                    self.stats.cache_evicted_pages += self.cache.evict(short)
+                    self.cache.evict(short)
                 if self.planner.reserve_round(self.running):
                     return self.running
             except RowWidthError:
@@ -304,3 +304,4 @@ class Scheduler:
         self.stats.num_waiting = len(self.waiting) + self.inbox.qsize()
         self.stats.cache_hit_tokens = self.admission.hit_tokens
         self.stats.cache_query_tokens = self.admission.query_tokens
+        self.stats.cache_evicted_pages = self.cache.evicted_pages

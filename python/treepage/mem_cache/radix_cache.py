@@ -77,6 +77,7 @@ class RadixCache:
         self.root.lock_ref = 1  # never evicted
         self.num_pages = 0  # pages the tree holds
         self.locked_pages = 0  # of those, pages on a path some request has locked
+        self.evicted_pages = 0  # over the cache's lifetime (statistics)
 
     # ---- sizes -------------------------------------------------------------------------------------------------
     def evictable_pages(self) -> int:
@@ -178,6 +179,7 @@ class RadixCache:
             assert parent is not None
             if parent is not self.root and parent.is_leaf() and parent.lock_ref == 0:
                 heapq.heappush(heap, (self._priority(parent), id(parent), parent))
+        self.evicted_pages += freed
         return freed
 
     def flush(self) -> None:
