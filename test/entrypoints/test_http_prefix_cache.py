@@ -31,7 +31,9 @@ def test_cached_tokens_reported_and_flushed(tiny_llama_dir, tmp_path) -> None:
         hit = second.usage.prompt_tokens_details.cached_tokens
         assert 0 < hit < second.usage.prompt_tokens and hit % 4 == 0
         assert second.choices[0].message.content == first.choices[0].message.content
-        stream = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        stream = list(
+            client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+        )
         assert stream[-1].usage.prompt_tokens_details.cached_tokens == hit
         body = {"text": SYSTEM, "sampling_params": {"max_new_tokens": 2}}
         native = [httpx.post(f"{url}/generate", json=body).json()["meta_info"] for _ in range(2)]

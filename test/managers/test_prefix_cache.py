@@ -54,7 +54,9 @@ def spec_args(ckpts, algo: str, topk: int, version: int) -> dict:
 def make_engine(ckpts, page: int, cache: bool = True, **kw) -> Engine:
     kw.setdefault("max_total_tokens", 4096)
     return Engine(
-        ServerArgs(model_path=ckpts["target"], dtype="float32", page_size=page, disable_radix_cache=not cache, **kw)
+        ServerArgs(
+            model_path=ckpts["target"], dtype="float32", page_size=page, disable_radix_cache=not cache, **kw
+        )
     )
 
 
@@ -110,7 +112,12 @@ def run_checked(eng: Engine, page: int) -> tuple[list[list[int]], list[int]]:
         outs, cached = workload(eng, page)
         eng.wait_idle()
         mem = eng.memory_report()
-        assert (mem["used_pages"], mem["request_pages"], mem["locked_pages"], mem["used_rows"]) == (0, 0, 0, 0), mem
+        assert (mem["used_pages"], mem["request_pages"], mem["locked_pages"], mem["used_rows"]) == (
+            0,
+            0,
+            0,
+            0,
+        ), mem
         assert mem["cached_pages"] == mem["evictable_pages"] > 0
         eng.scheduler.check_memory()
         assert eng.flush_cache()
@@ -168,7 +175,11 @@ def _tree_kv(eng: Engine, ids: list[int]) -> tuple[int, torch.Tensor, torch.Tens
     pages = torch.tensor(cache.match_prefix(cache.key_of(ids)).pages, dtype=torch.int64)
     P = cache.P
     slots = (pages[:, None] * P + torch.arange(P)).reshape(-1)
-    return len(slots), eng.worker.runner.kv_pool.kv_data[:, :, slots], eng.worker.draft.kv_pool.kv_data[:, :, slots]
+    return (
+        len(slots),
+        eng.worker.runner.kv_pool.kv_data[:, :, slots],
+        eng.worker.draft.kv_pool.kv_data[:, :, slots],
+    )
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -230,7 +241,9 @@ def test_retraction_and_eviction_under_a_small_pool(ckpts, spec, monkeypatch) ->
         ref_eng.shutdown()
     eng = make_engine(ckpts, P, max_total_tokens=280 if spec else 200, **kw)
     try:
-        eng.generate(input_ids=[rand_ids(rng, 40) for _ in range(3)], sampling_params=params)  # fills the cache
+        eng.generate(
+            input_ids=[rand_ids(rng, 40) for _ in range(3)], sampling_params=params
+        )  # fills the cache
         got = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
         eng.wait_idle()
         st = eng.scheduler.stats
@@ -321,7 +334,9 @@ def test_decode_evicts_before_it_retracts(ckpts, monkeypatch) -> None:
         eng.generate(input_ids=rand_ids(rng, 100), sampling_params={**SP, "max_new_tokens": 20})
         eng.wait_idle()
         assert eng.memory_report()["cached_pages"] == 29  # 119 committed tokens: 29 whole pages
-        outs = eng.generate(input_ids=[rand_ids(rng, 20) for _ in range(2)], sampling_params={**SP, "max_new_tokens": 60})
+        outs = eng.generate(
+            input_ids=[rand_ids(rng, 20) for _ in range(2)], sampling_params={**SP, "max_new_tokens": 60}
+        )
         assert all(len(o["output_ids"]) == 60 for o in outs)
         st = eng.scheduler.stats
         assert st.num_retracted == 0 and st.cache_evicted_pages >= 10, st

@@ -141,9 +141,7 @@ class RadixMachine(RuleBasedStateMachine):
         assert len(everything) == len(set(everything)) == NUM_PAGES, "a page is owned twice or lost"
         assert self.alloc.num_used_pages() == len(tree_pages) + len(own)
         locked = {id(n) for r in self.live for n in _path(r.node, self.cache.root)}
-        assert self.cache.locked_pages == sum(
-            len(n.pages) for n in self.cache._nodes() if id(n) in locked
-        )
+        assert self.cache.locked_pages == sum(len(n.pages) for n in self.cache._nodes() if id(n) in locked)
 
 
 def _path(node: TreeNode, root: TreeNode) -> list[TreeNode]:
@@ -200,7 +198,9 @@ def test_insert_frees_duplicates_keeps_shared() -> None:
     cache.insert([1, 2, 3], first)
     m = cache.match_prefix([1, 2, 9])
     cache.lock(m.node)
-    other = alloc.alloc_pages(2).tolist()  # a concurrent request's private copy of [1, 2, 3, 4] beyond its hit
+    other = alloc.alloc_pages(
+        2
+    ).tolist()  # a concurrent request's private copy of [1, 2, 3, 4] beyond its hit
     cache.insert([1, 2, 3, 4], m.pages + other)
     assert cache.match_prefix([1, 2, 3, 4]).pages == first + [other[1]]
     assert alloc.num_used_pages() == 4  # other[0] duplicated page 3 and went back

@@ -66,7 +66,9 @@ class RadixCache:
         pair_keys: bool = False,
     ) -> None:
         if policy not in EVICTION_POLICIES:
-            raise ValueError(f"--radix-eviction-policy must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}")
+            raise ValueError(
+                f"--radix-eviction-policy must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}"
+            )
         self.allocator = allocator
         self.P = page_size
         self.policy = policy
@@ -207,7 +209,9 @@ class RadixCache:
             if len(n.key) != len(n.pages) * self.P or not n.pages:
                 raise MemoryLeakError(f"radix cache: node with {len(n.key)} units and {len(n.pages)} pages")
             if n.lock_ref != want.get(id(n), 0):
-                raise MemoryLeakError(f"radix cache: node lock_ref {n.lock_ref}, expected {want.get(id(n), 0)}")
+                raise MemoryLeakError(
+                    f"radix cache: node lock_ref {n.lock_ref}, expected {want.get(id(n), 0)}"
+                )
             locked += len(n.pages) if n.lock_ref else 0
             pages += n.pages
         if len(set(pages)) != len(pages):
