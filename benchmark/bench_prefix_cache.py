@@ -65,7 +65,12 @@ class ConfigRun:
         kw = {} if spec else {"speculative_algorithm": "NONE"}
         self.cache, self.spec, self.args = cache, spec, args
         self.eng = Engine(
-            page_size=args.page, dtype=args.dtype, disable_radix_cache=not cache, log_level="warning", **kw
+            page_size=args.page,
+            dtype=args.dtype,
+            disable_radix_cache=not cache,
+            max_total_tokens=args.max_total_tokens,
+            log_level="warning",
+            **kw,
         )
         tok = self.eng.tokenizer
         self.users = [
@@ -129,6 +134,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--dtype", default="float32", help="fp32: every configuration emits the same replies")
+    ap.add_argument(
+        "--max-total-tokens", type=int, default=16384, help="KV pool per engine (four engines at once)"
+    )
     ap.add_argument("--name", default="prefix_cache_cpu")
     args = ap.parse_args(argv)
     ensure_passive_omp()
