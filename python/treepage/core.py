@@ -6,6 +6,7 @@ Ownership of `Req` fields (one writer each; everyone else only reads):
 |-----------------------------------------|--------------------------------------------------------|
 | rid, input_ids, sampling, sink, created, generator | `entrypoints/engine.py` (`Engine.submit`), once |
 | row, allocated_len                      | `managers/admission.py` (admit), `managers/decode_planner.py` (reserve, release) |
+| cache_node, cache_len, cached_tokens    | `managers/admission.py` (prefix match), `managers/decode_planner.py` (release) |
 | kv_committed_len                        | `managers/scheduler.py`, from each `StepOutput`        |
 | output_ids, finished, first_token_time, spec_verify_ct, spec_accepted_drafts | `managers/output.py` |
 | detok                                   | `managers/output.py` (the request's incremental detokeniser) |
@@ -106,6 +107,9 @@ class Req:
     row: int = -1  # req_to_token row, -1 when not resident
     allocated_len: int = 0  # row positions [0, allocated_len) hold slots owned by this request
     kv_committed_len: int = 0  # positions whose target KV is final
+    cache_node: Any = None  # mem_cache.radix_cache.TreeNode this request locked while resident, or None
+    cache_len: int = 0  # row positions [0, cache_len) are prefix-cache pages (shared, read-only)
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at the first admission
     finished: FinishReason | None = None
     generator: torch.Generator | None = None
     created: float = 0.0

@@ -32,6 +32,8 @@ class ServerArgs:
     chunked_prefill_size: int | None = None  # None: 8192 on CUDA, 512 on CPU; -1 or 0: never chunk
     mem_fraction_static: float | None = None
     cpu_kv_cache_gb: float = 1.0
+    disable_radix_cache: bool = False
+    radix_eviction_policy: str = "lru"  # "lru" | "lfu"
     random_seed: int | None = None
     log_level: str = "info"
     skip_server_warmup: bool = False
@@ -104,6 +106,8 @@ def make_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="KV pool byte budget on CPU when --max-total-tokens is unset",
     )
+    a("--disable-radix-cache", action="store_true", help="no prefix cache: every request prefills its whole prompt")
+    a("--radix-eviction-policy", choices=("lru", "lfu"), default="lru")
     a("--random-seed", type=int, default=None)
     a("--log-level", choices=("debug", "info", "warning", "error", "critical"), default="info")
     a("--skip-server-warmup", action="store_true")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -202,15 +203,26 @@ class Engine:
 
     # ---- introspection ----------------------------------------------------------------------------------------
     def memory_report(self) -> dict:
+        """Pages by owner. `used_pages` counts what is not available to a new request: everything in use except
+        evictable prefix-cache pages (zero when idle). `cached_pages` = `evictable_pages` + `locked_pages`."""
         a = self.worker.pools.allocator
         rp = self.worker.pools.req_to_token_pool
+        cache = self.scheduler.cache
+        st = self.scheduler.stats
         return {
             "page_size": a.page_size,
             "total_pages": a.num_pages,
             "free_pages": a.num_free_pages(),
-            "used_pages": a.num_used_pages(),
+            "used_pages": a.num_used_pages() - cache.evictable_pages(),
+            "request_pages": a.num_used_pages() - cache.num_pages,
+            "cached_pages": cache.num_pages,
+            "evictable_pages": cache.evictable_pages(),
+            "locked_pages": cache.locked_pages,
             "used_rows": rp.size - rp.num_free(),
             "row_width": rp.row_width,
+            "radix_cache": not cache.disabled,
+            "cache_hit_tokens": st.cache_hit_tokens,
+            "cache_query_tokens": st.cache_query_tokens,
         }
 
     def wait_idle(self, timeout: float = 30.0) -> None:
@@ -254,9 +266,14 @@ class Engine:
         dbg = getattr(self.worker, "debug", None)
         return dbg.emitted / dbg.rounds if dbg is not None and dbg.rounds else 0.0
 
-    def flush_cache(self) -> bool:
-        """No prefix cache is kept yet, so there is nothing to drop; reports whether the engine is idle."""
-        return self.scheduler.is_idle()
+    def flush_cache(self, timeout: float = 10.0) -> bool:
+        """Drop the prefix cache (on the scheduler thread); False when requests are in flight."""
+        if not self.scheduler.is_idle() or not self._thread.is_alive():
+            return False
+        try:
+            return self.scheduler.request_flush().result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            return False
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()

@@ -234,6 +234,7 @@ def _total_usage(finals: list[dict]) -> dict[str, int]:
     return usage(
         sum(f["meta_info"]["prompt_tokens"] for f in finals),
         sum(f["meta_info"]["completion_tokens"] for f in finals),
+        sum(f["meta_info"]["cached_tokens"] for f in finals),
     )
 
 
@@ -248,7 +249,7 @@ async def _openai_events(
     for obj in prelude or []:
         yield _sse(obj)
     sent = [""] * len(subs)
-    totals = [(0, 0)] * len(subs)
+    totals = [(0, 0, 0)] * len(subs)
     async for i, out in _merged(subs):
         err = _abort_error(out)
         if err is not None:
@@ -256,7 +257,7 @@ async def _openai_events(
             yield _SSE_DONE
             return
         text, meta = out["text"], out["meta_info"]
-        totals[i] = (meta["prompt_tokens"], meta["completion_tokens"])
+        totals[i] = (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"])
         delta = text[len(sent[i]) :]  # the scheduler streams only final text (never part of a stop string)
         sent[i] = text
         finish, matched = openai_finish_reason(meta) if out["finished"] else (None, None)
@@ -264,7 +265,7 @@ async def _openai_events(
             yield _sse({**head, "choices": [chunk(i, delta, finish, matched)]})
     if include_usage:
         yield _sse(
-            {**head, "choices": [], "usage": usage(sum(p for p, _ in totals), sum(c for _, c in totals))}
+            {**head, "choices": [], "usage": usage(*(sum(t[j] for t in totals) for j in range(3)))}
         )
     yield _SSE_DONE
 
@@ -300,6 +301,17 @@ class _EngineCollector:
         )
         yield CounterMetricFamily(
             "treepage:generation_tokens", "Tokens generated.", value=st.gen_tokens_total
+        )
+        yield CounterMetricFamily(
+            "treepage:cache_hit_tokens", "Admitted positions served by the prefix cache.", value=st.cache_hit_tokens
+        )
+        yield CounterMetricFamily(
+            "treepage:cache_query_tokens", "Positions admitted (the hit rate's denominator).", value=st.cache_query_tokens
+        )
+        yield GaugeMetricFamily(
+            "treepage:cache_hit_rate",
+            "Prefix-cache hit rate over the server's lifetime.",
+            value=st.cache_hit_tokens / max(st.cache_query_tokens, 1),
         )
 
 
@@ -549,7 +561,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        if engine.flush_cache():
+        if await asyncio.to_thread(engine.flush_cache):
             return PlainTextResponse("Cache flushed.\n")
         return PlainTextResponse("Cache not flushed: requests are in flight.\n", status_code=400)
 

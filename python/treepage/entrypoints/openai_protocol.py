@@ -217,9 +217,10 @@ def openai_finish_reason(meta: dict) -> tuple[str | None, int | str | None]:
     return fr["type"], fr.get("matched")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},  # prompt tokens served by the prefix cache
     }

@@ -103,7 +103,7 @@ class OutputProcessor:
             "id": r.rid,
             "prompt_tokens": len(r.input_ids),
             "completion_tokens": n,
-            "cached_tokens": 0,
+            "cached_tokens": r.cached_tokens or 0,
             "finish_reason": r.finished.to_dict() if r.finished else None,
             "e2e_latency": time.monotonic() - r.created,
             "spec_verify_ct": r.spec_verify_ct,

@@ -2,8 +2,9 @@
 
 Each step: take new requests and aborts, then prefill what `Admission` admits (a long prompt one chunk per step,
 alternating with decode rounds), or else run one decode round for the running batch after `DecodePlanner`
-reserved its KV (retracting the newest request when pages run out). The
-`OutputProcessor` appends tokens, stops requests and streams; finished requests are released, then delivered.
+reserved its KV (evicting unlocked prefix-cache pages, then retracting the newest request when pages run out).
+The `OutputProcessor` appends tokens, stops requests and streams; finished requests are released (their
+committed whole pages enter the prefix cache), then delivered.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from treepage.core import FinishReason, Req
 from treepage.managers.admission import Admission
 from treepage.managers.decode_planner import DecodePlanner
 from treepage.managers.output import OutputProcessor
+from treepage.mem_cache.allocator import MemoryLeakError
+from treepage.mem_cache.radix_cache import RadixCache
 from treepage.mem_cache.sizing import RowWidthError, get_alloc_reserve_per_decode
 from treepage.model_executor.worker import Worker
 from treepage.server_args import ServerArgs
@@ -39,6 +43,9 @@ class SchedulerStats:
     prompt_tokens_total: int = 0
     gen_throughput: float = 0.0  # tokens/s over the last window
     num_retracted: int = 0
+    cache_hit_tokens: int = 0  # prompt positions served from the prefix cache at admission
+    cache_query_tokens: int = 0  # positions admitted (the hit rate's denominator)
+    cache_evicted_pages: int = 0
 
 
 class Scheduler:
@@ -55,10 +62,17 @@ class Scheduler:
             args.speculative_num_steps or 0,
             args.speculative_num_draft_tokens or 0,
         )
-        self.admission = Admission(
-            pools, reserve, args.page_size, args.max_prefill_tokens, args.chunked_prefill_size or -1
+        self.cache = RadixCache(
+            self.allocator,
+            args.page_size,
+            args.radix_eviction_policy,
+            disabled=args.disable_radix_cache,
+            pair_keys=args.speculation,
         )
-        self.planner = DecodePlanner(pools, reserve, args.page_size, spec_desc)
+        self.admission = Admission(
+            pools, reserve, args.page_size, args.max_prefill_tokens, args.chunked_prefill_size or -1, self.cache
+        )
+        self.planner = DecodePlanner(pools, reserve, args.page_size, spec_desc, self.cache)
         self.output = OutputProcessor(tokenizer, set(eos_ids), pools.context_len, self._count_tokens)
         self.strict = os.environ.get("TREEPAGE_STRICT_MEM_CHECK", "0") == "1"
         self.inbox: queue.Queue[Req] = queue.Queue()
@@ -72,6 +86,7 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = False
         self._tput_window: deque[tuple[float, int]] = deque()
+        self._flushes: queue.Queue[Future[bool]] = queue.Queue()
 
     # ---- called from other threads -------------------------------------------------------------------------
     def submit(self, req: Req) -> None:
@@ -88,6 +103,13 @@ class Scheduler:
         with self._lock:
             self.aborts.add(rid)
         self._wake.set()
+
+    def request_flush(self) -> Future[bool]:
+        """Drop the prefix cache on the scheduler thread; the future is False when requests are in flight."""
+        fut: Future[bool] = Future()
+        self._flushes.put(fut)
+        self._wake.set()
+        return fut
 
     def stop(self) -> None:
         self._stop = True
@@ -112,6 +134,7 @@ class Scheduler:
     def step(self) -> bool:
         self._drain_inbox()
         self._apply_aborts()
+        self._apply_flushes()
         admitted: list[Req] = []
         if self.prefilling is None:
             admitted, too_large = self.admission.admit(
@@ -149,19 +172,33 @@ class Scheduler:
         if hit:
             self._remove(hit, FinishReason("abort", message="aborted by client"))
 
-    def _fail_running(self) -> None:
-        self._remove(list(self.running), FinishReason("abort", message="internal error"))
+    def _apply_flushes(self) -> None:
+        while True:
+            try:
+                fut = self._flushes.get_nowait()
+            except queue.Empty:
+                return
+            idle = not self.running and not self.waiting and self.prefilling is None
+            if idle:
+                self.worker.drain()
+                self.cache.flush()
+            fut.set_result(idle)
 
-    def _remove(self, reqs: list[Req], reason: FinishReason) -> None:
+    def _fail_running(self) -> None:
+        # Their KV may be half written: free it without caching.
+        self._remove(list(self.running), FinishReason("abort", message="internal error"), cache=False)
+
+    def _remove(self, reqs: list[Req], reason: FinishReason, cache: bool = True) -> None:
         """Take requests out of the queues, release their state and memory, deliver their final output."""
         self.worker.release([r.rid for r in reqs])  # drains an in-flight round first
+        for r in reqs:  # memory first: is_idle() (read by other threads) must not see freed queues too early
+            self.planner.release(r, cache=cache)
         gone = {id(r) for r in reqs}
         self.waiting = deque(r for r in self.waiting if id(r) not in gone)
         self.running = [r for r in self.running if id(r) not in gone]
         if self.prefilling is not None and id(self.prefilling) in gone:
             self.prefilling = None
         for r in reqs:
-            self.planner.release(r)
             self.output.finish(r, reason if r.finished is None else None)
 
     # ---- prefill and decode -----------------------------------------------------------------------------------
@@ -175,6 +212,7 @@ class Scheduler:
             r.kv_committed_len = out.committed_len
             if end < r.seq_len:
                 self.prefilling = r
+                self.planner.cache_prefix(r)  # requests sharing this prompt can hit it before it finishes
                 continue
             self.stats.prompt_tokens_total += len(r.input_ids)
             self.running.append(r)
@@ -193,9 +231,13 @@ class Scheduler:
         self._reap()
 
     def _reserve_round(self) -> list[Req]:
-        """Reserve this round's KV (checking the row width first); retract requests when pages run out."""
+        """Reserve this round's KV (checking the row width first). When pages run out, evict unlocked prefix-cache
+        pages first and retract requests only when that is not enough."""
         while self.running:
             try:
+                short = self.planner.pages_needed(self.running) - self.allocator.num_free_pages()
+                if short > 0 and self.cache.evictable_pages() > 0:
+                    self.cache.evict(short)
                 if self.planner.reserve_round(self.running):
                     return self.running
             except RowWidthError:
@@ -228,12 +270,25 @@ class Scheduler:
 
     # ---- accounting ---------------------------------------------------------------------------------------------
     def check_memory(self, full: bool = True) -> None:
-        """Pages and rows in use == those held by resident requests (zero when idle). Runs on every idle tick
-        (O(1)); the full structural scan runs there and after every step under TREEPAGE_STRICT_MEM_CHECK=1."""
+        """Pages in use == pages held privately by resident requests + pages held by the prefix cache, and rows
+        in use == resident requests (no private pages and no rows when idle). Runs on every idle tick (O(1));
+        the full structural scan runs there and after every step under TREEPAGE_STRICT_MEM_CHECK=1: the tree's
+        own structure and lock counts, and every row's cached prefix backed by tree pages, the rest private."""
         resident = self._resident()
-        held = sum(self.admission.pages_for(r.allocated_len) for r in resident)
-        self.allocator.check_leak(expected_used=held, full=full)
+        P = self.admission.page_size
+        held = sum(self.admission.pages_for(r.allocated_len) - r.cache_len // P for r in resident)
+        self.allocator.check_leak(expected_used=held + self.cache.num_pages, full=full)
         self.req_pool.check_leak(expected_used=len(resident), full=full)
+        if full:
+            self.cache.check([r.cache_node for r in resident if r.cache_node is not None])
+            tree = set(self.cache.all_pages())
+            private: set[int] = set()
+            for r in resident:
+                pages = (self.req_pool.req_to_token[r.row, : r.allocated_len : P] // P).tolist()
+                shared, own = pages[: r.cache_len // P], pages[r.cache_len // P :]
+                if not tree.issuperset(shared) or tree.intersection(own) or private.intersection(own):
+                    raise MemoryLeakError(f"{r.rid}: a row page is both cached and private, or held twice")
+                private.update(own)
 
     def _count_tokens(self, n: int) -> None:
         self.stats.gen_tokens_total += n
@@ -247,3 +302,6 @@ class Scheduler:
         self.stats.gen_throughput = sum(n for _, n in self._tput_window) / span
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting) + self.inbox.qsize()
+        self.stats.cache_hit_tokens = self.admission.hit_tokens
+        self.stats.cache_query_tokens = self.admission.query_tokens
+        self.stats.cache_evicted_pages = self.cache.evicted_pages

@@ -39,6 +39,9 @@ class PagedAllocator:
     def num_used_pages(self) -> int:
         return self.num_pages - len(self._free)
 
+    def is_in_use(self, page: int) -> bool:
+        return 0 < page <= self.num_pages and bool(self._in_use[page])
+
     def alloc_pages(self, n: int) -> torch.Tensor | None:
         """n page ids (int64), or None when fewer than n are free (then nothing is taken)."""
         if n < 0:

@@ -124,6 +124,15 @@ def write_row_slots(req_to_token: torch.Tensor, row: int, start: int, slots: tor
     req_to_token.view(-1)[base : base + n] = slots.to(req_to_token.dtype)
 
 
+def write_row_pages(req_to_token: torch.Tensor, row: int, pages: list[int], page_size: int) -> None:
+    """Point row positions [0, len(pages) * P) at whole pages, in order (a prefix-cache hit)."""
+    if not pages:
+        return
+    offs = torch.arange(page_size, dtype=torch.int64, device=req_to_token.device)
+    first = torch.tensor(pages, dtype=torch.int64, device=req_to_token.device) * page_size
+    write_row_slots(req_to_token, row, 0, (first[:, None] + offs).reshape(-1))
+
+
 def grow_row(
     req_to_token_pool: ReqToTokenPool, allocator: PagedAllocator, row: int, cur_len: int, new_len: int
 ) -> bool:
