@@ -244,6 +244,7 @@ class Engine:
             "spec_version": a.spec_version,
             "avg_spec_accept_length": self.avg_spec_accept_length(),
             "spec_debug": self.worker.debug.to_dict() if hasattr(self.worker, "debug") else None,
+            "speculative_adaptive": self.adaptive_report(),
             "num_running_reqs": st.num_running,
             "num_waiting_reqs": st.num_waiting,
             "gen_throughput": st.gen_throughput,
@@ -254,6 +255,11 @@ class Engine:
         """Tokens emitted per verify round (accepted drafts + the bonus token), over the server's lifetime."""
         dbg = getattr(self.worker, "debug", None)
         return dbg.emitted / dbg.rounds if dbg is not None and dbg.rounds else 0.0
+
+    def adaptive_report(self) -> dict | None:
+        """Rounds per shape (and OFF), the accept-length estimates and the cost table, when the shape adapts."""
+        policy = getattr(self.worker, "policy", None)
+        return policy.snapshot() if policy is not None else None
 
     def flush_cache(self) -> bool:
         """No prefix cache is kept yet, so there is nothing to drop; reports whether the engine is idle."""
