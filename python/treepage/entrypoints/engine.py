@@ -16,10 +16,12 @@ from treepage.arg_groups import resolve_dtype, resolve_server_args
 from treepage.arg_groups.speculative import apply_default_server_speculation
 from treepage.core import Req, SamplingParams, new_rid
 from treepage.managers.scheduler import Scheduler
-from treepage.managers.tokenizer import eos_token_ids, load_tokenizer
+from treepage.managers.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
 from treepage.managers.worker_factory import build_worker
 from treepage.models.loader import default_model_path, load_config
 from treepage.server_args import ServerArgs
+from treepage.speculative.calibrate import load_or_calibrate
+from treepage.speculative.eagle_worker import EagleWorker
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +86,24 @@ class Engine:
         self.context_len = self.worker.pools.context_len
         self.eos_ids = eos_token_ids(self.tokenizer, config)
         self.model_name = args.served_model_name or args.model_path
+        if args.speculative_adaptive and not args.speculative_adaptive_debug_cycle:
+            assert isinstance(self.worker, EagleWorker)
+            table = load_or_calibrate(self.worker, args, dtype, self._calibration_prompt())
+            self.worker.set_cost_table(table)
         self.scheduler = Scheduler(args, self.worker, self.tokenizer, self.eos_ids)
         self._thread = threading.Thread(
             target=self.scheduler.run_forever, name="treepage-scheduler", daemon=True
         )
         self._thread.start()
         self.start_time = time.time()
+
+    def _calibration_prompt(self) -> list[int]:
+        """A general chat question: the accept lengths it yields are the adaptive policy's prior."""
+        question = "Explain in a few sentences how a bicycle stays upright while it is moving."
+        try:
+            return apply_chat_template(self.tokenizer, [{"role": "user", "content": question}])
+        except ValueError:
+            return list(self.tokenizer.encode(question))
 
     # ---- requests ----------------------------------------------------------------------------------------------
     @property
