@@ -5,6 +5,7 @@ the memory sizing over all candidates."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -208,3 +209,14 @@ def test_routing_default_server_adapts_explicit_flags_do_not():
                 speculative_algorithm="EAGLE", speculative_draft_model_path="d", speculative_adaptive_config="x"
             )
         )
+
+
+def test_a_shape_change_is_logged(caplog):
+    p = policy(hysteresis=0.0)
+    p.accept[BIG] = 4.0
+    with caplog.at_level(logging.INFO, logger="treepage.speculative.adaptive"):
+        p.choose(1)
+        p.choose(1)
+        p.choose(8)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"speculative shape {BIG.label} -> off at batch 8 (expected 156.9 vs 84.2 tok/s)"]

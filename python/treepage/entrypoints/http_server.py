@@ -298,6 +298,34 @@ class _EngineCollector:
         yield CounterMetricFamily(
             "treepage:generation_tokens", "Tokens generated.", value=st.gen_tokens_total
         )
+        yield from self._adaptive()
+
+    def _adaptive(self):
+        """Adaptive speculation: rounds per shape (and off), accept estimates, the calibration table."""
+        rep = self.engine.adaptive_report()
+        if rep is None:
+            return
+        rounds = CounterMetricFamily(
+            "treepage:spec_adaptive_rounds", "Decode rounds run with each tree shape.", labels=["shape"]
+        )
+        for shape, n in rep["rounds"].items():
+            rounds.add_metric([shape], n)
+        yield rounds
+        if "accept_estimate" not in rep:
+            return
+        accept = GaugeMetricFamily(
+            "treepage:spec_adaptive_accept_estimate", "Tokens per request-round expected.", labels=["shape"]
+        )
+        for shape, a in rep["accept_estimate"].items():
+            accept.add_metric([shape], a)
+        yield accept
+        cost = GaugeMetricFamily(
+            "treepage:spec_adaptive_round_seconds", "Calibrated seconds per round.", labels=["shape", "batch"]
+        )
+        for shape, by_batch in rep["calibration"]["round_seconds"].items():
+            for batch, t in by_batch.items():
+                cost.add_metric([shape, str(batch)], t)
+        yield cost
 
 
 # ---- the app ----------------------------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ from treepage.speculative.eagle_worker import EagleWorker, SpecDebugCounters
 logger = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 2, 4, 8, 16)
-TIMED_ROUNDS = 3  # per (batch, shape), after one warm-up round; the median is kept
+TIMED_ROUNDS = 3  # per (batch, shape), after one warm-up round; the fastest is kept (the least disturbed by
+# other processes: contention slows every shape alike, so the ratios the policy uses survive it)
 CPU_BUDGET_S = 20.0
 CUDA_BUDGET_S = 10.0
 
@@ -92,20 +93,25 @@ def load_or_calibrate(
 
 
 def calibrate(worker: EagleWorker, shapes: list[TreeShape], prompt: list[int], budget_s: float) -> CostTable:
-    """Median seconds per round for each shape at batch sizes 1, 2, 4, ... while the budget lasts (at least two
-    sizes when the pools allow), and each shape's mean accept length per request-round."""
+    """Seconds per round for each shape at batch sizes 1, 2, 4, ... while the budget lasts (a batch size is
+    skipped when it is predicted to overrun it), and each shape's mean accept length per request-round."""
     t_start = time.perf_counter()
     seconds: dict[str, dict[int, float]] = {s.label: {} for s in shapes}
     accepts: dict[str, list[float]] = {s.label: [] for s in shapes}
     cap = min(worker.pools.req_to_token_pool.num_free(), max(BATCH_SIZES))
+    last = 0.0  # seconds the previous batch size took; the next (twice as large) is predicted at twice that
     for B in [b for b in BATCH_SIZES if b <= cap]:
-        if len(seconds[shapes[0].label]) >= 2 and time.perf_counter() - t_start > budget_s:
+        if B > 1 and time.perf_counter() - t_start + 2 * last > budget_s:
             break
+        t_b = time.perf_counter()
         measured = _measure_batch(worker, shapes, prompt, B)
+        last = time.perf_counter() - t_b
         if measured is None:
             break
         for label, (t, a) in measured.items():
-            seconds[label][B] = t
+            # Monotone in the batch size: on a shared CPU a slow outlier at a small batch must not make a
+            # larger batch look cheaper.
+            seconds[label][B] = max([t, *seconds[label].values()])
             accepts[label] += a
     worker.debug = SpecDebugCounters()  # server statistics start after calibration
     if not seconds[shapes[0].label]:
@@ -157,7 +163,7 @@ def _measure_batch(
                 if k:
                     times.append(time.perf_counter() - t0)
                     accept += [float(len(s.tokens)) for s in step]
-            out[shape.label] = (statistics.median(times), accept)
+            out[shape.label] = (min(times), accept)
         return out
     finally:
         worker.release([r.rid for r in reqs])
