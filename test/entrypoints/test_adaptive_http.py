@@ -1,5 +1,5 @@
-"""Adaptive speculation through a real launch_server: /get_server_info and /metrics report the rounds per shape
-(and off), the accept estimates and the calibration table; the shape-change log line reaches the server log."""
+"""Adaptive speculation through a real launch_server: /get_server_info and /metrics report the rounds per
+shape (and off), the accept estimates and the calibration table; the calibration is logged."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ SHAPES = ["4x4x16", "3x2x6", "3x1x4", "1x1x2", "off"]
 def test_adaptive_server_reports_its_policy(tiny_llama_dir, tmp_path):
     head = make_eagle_head(tiny_llama_dir, str(tmp_path / "eagle3"), "EAGLE3")
     table = tmp_path / "table.json"
-    args = ["--model-path", tiny_llama_dir, "--dtype", "float32", "--page-size", "16",
+    args = ["--model-path", tiny_llama_dir, "--dtype", "float32", "--page-size", "16", "--served-model-name", "x",
             "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head,
-            "--speculative-num-steps", "4", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16",
-            "--speculative-adaptive", "--speculative-adaptive-calibration", str(table), "--served-model-name", "x"]  # fmt: skip
+            "--speculative-num-steps", "4", "--speculative-eagle-topk", "4",
+            "--speculative-num-draft-tokens", "16",
+            "--speculative-adaptive", "--speculative-adaptive-calibration", str(table)]  # fmt: skip
     log = tmp_path / "server.log"
     with launch_server(args, log) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)

@@ -84,7 +84,9 @@ def test_pinned_table_is_loaded_not_measured(ckpts, tmp_path):
     seconds = {s: {"1": 1.0, "8": 8.0} for s in labels}
     seconds["off"] = {"1": 0.001, "8": 0.002}
     path = tmp_path / "pinned.json"
-    path.write_text(json.dumps({"key": {}, "round_seconds": seconds, "prior_accept": dict.fromkeys(labels, 2.0)}))
+    path.write_text(
+        json.dumps({"key": {}, "round_seconds": seconds, "prior_accept": dict.fromkeys(labels, 2.0)})
+    )
     t0 = time.perf_counter()
     eng = adaptive_engine(ckpts, 2, speculative_adaptive_calibration=str(path))
     try:

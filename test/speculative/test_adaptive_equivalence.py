@@ -49,7 +49,9 @@ def reference(ckpts):
     eng = Engine(ServerArgs(model_path=ckpts["target"], dtype="float32", page_size=1))
     try:
         return {
-            page: [o["output_ids"] for o in eng.generate(input_ids=prompts_for(page, page), sampling_params=SP)]
+            page: [
+                o["output_ids"] for o in eng.generate(input_ids=prompts_for(page, page), sampling_params=SP)
+            ]
             for page in PAGES
         }
     finally:

@@ -142,7 +142,9 @@ def test_cycle_policy_visits_every_shape_and_off():
 
 def test_config_file(tmp_path):
     path = tmp_path / "adaptive.json"
-    path.write_text(json.dumps({"candidates": [[3, 1, 4], [1, 1, 2]], "hysteresis": 0.2, "include_off": False}))
+    path.write_text(
+        json.dumps({"candidates": [[3, 1, 4], [1, 1, 2]], "hysteresis": 0.2, "include_off": False})
+    )
     cfg = AdaptiveConfig.load(str(path), BIG)
     assert cfg.candidates == [CHAIN, ONE] and cfg.hysteresis == 0.2 and cfg.include_off is False
     path.write_text(json.dumps({"candidates": [[3, 1, 9]]}))
@@ -206,7 +208,9 @@ def test_routing_default_server_adapts_explicit_flags_do_not():
     with pytest.raises(ArgumentError, match="need --speculative-adaptive"):
         resolve_speculative(
             ServerArgs(
-                speculative_algorithm="EAGLE", speculative_draft_model_path="d", speculative_adaptive_config="x"
+                speculative_algorithm="EAGLE",
+                speculative_draft_model_path="d",
+                speculative_adaptive_config="x",
             )
         )
 

@@ -25,8 +25,9 @@ DEFAULT_SERVER_PAGE = 64
 def apply_default_server_speculation(args: ServerArgs) -> None:
     """For the embedded default model with no --speculative-algorithm: EAGLE-3 with the shipped head.
 
-    `--speculative-algorithm NONE` turns it off; explicit steps / topk / draft-token flags are kept and fix the
-    shape; without them the shape adapts per round (`--speculative-adaptive`, unless `--no-speculative-adaptive`).
+    `--speculative-algorithm NONE` turns it off; explicit steps / topk / draft-token flags are kept and fix
+    the shape; without them the shape adapts per round (`--speculative-adaptive`; `--no-speculative-adaptive`
+    keeps the fixed default tree).
     """
     from treepage.models.shipped_heads import shipped_head_path
 

@@ -91,7 +91,9 @@ class AdaptiveConfig:
     hysteresis: float = 0.05  # switch only when the best shape beats the current one by this fraction
     ema: float = 0.1  # weight of one round in the accept-length estimate
     prior_rounds: float = 8.0  # the calibration prior counts as this many rounds before the EMA takes over
-    probe_every: int = 64  # rounds between probes of the best other speculative shape (refreshes its estimate)
+    probe_every: int = (
+        64  # rounds between probes of the best other speculative shape (refreshes its estimate)
+    )
 
     @staticmethod
     def load(path: str, configured: TreeShape) -> AdaptiveConfig:
@@ -147,7 +149,9 @@ class CostTable:
     @staticmethod
     def from_json(d: dict[str, Any]) -> CostTable:
         return CostTable(
-            round_seconds={s: {int(b): float(t) for b, t in v.items()} for s, v in d["round_seconds"].items()},
+            round_seconds={
+                s: {int(b): float(t) for b, t in v.items()} for s, v in d["round_seconds"].items()
+            },
             prior_accept={s: float(a) for s, a in d["prior_accept"].items()},
             key=dict(d.get("key", {})),
         )
@@ -156,9 +160,18 @@ class CostTable:
         return all(s.label in self.round_seconds and s.label in self.prior_accept for s in shapes)
 
 
-def cache_key(model: str, draft: str, device: str, dtype: str, torch_version: str, extra: str) -> dict[str, str]:
+def cache_key(
+    model: str, draft: str, device: str, dtype: str, torch_version: str, extra: str
+) -> dict[str, str]:
     """What a cached table is valid for; `extra` carries the algorithm, page size and candidates."""
-    return {"model": model, "draft": draft, "device": device, "dtype": dtype, "torch": torch_version, "extra": extra}
+    return {
+        "model": model,
+        "draft": draft,
+        "device": device,
+        "dtype": dtype,
+        "torch": torch_version,
+        "extra": extra,
+    }
 
 
 def default_cache_path(key: dict[str, str]) -> Path:

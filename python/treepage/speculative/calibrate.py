@@ -69,7 +69,11 @@ def table_key(worker: EagleWorker, args: ServerArgs, dtype: torch.dtype) -> dict
 
 
 def load_or_calibrate(
-    worker: EagleWorker, args: ServerArgs, dtype: torch.dtype, prompt: list[int], budget_s: float | None = None
+    worker: EagleWorker,
+    args: ServerArgs,
+    dtype: torch.dtype,
+    prompt: list[int],
+    budget_s: float | None = None,
 ) -> CostTable:
     """The pinned table (--speculative-adaptive-calibration), else the cached one for this key, else measure."""
     key = table_key(worker, args, dtype)
@@ -121,7 +125,8 @@ def calibrate(worker: EagleWorker, shapes: list[TreeShape], prompt: list[int], b
         "adaptive speculation calibrated in %.1fs: %s",
         time.perf_counter() - t_start,
         "; ".join(
-            f"{label} accept {prior[label]:.2f} " + " ".join(f"B{b}={t * 1e3:.0f}ms" for b, t in sorted(v.items()))
+            f"{label} accept {prior[label]:.2f} "
+            + " ".join(f"B{b}={t * 1e3:.0f}ms" for b, t in sorted(v.items()))
             for label, v in seconds.items()
         ),
     )
