@@ -139,12 +139,14 @@ def test_finish_abort_and_retraction_while_the_shape_changes(ckpts, reference, v
     while the shape changes every round. Survivors keep the plain greedy tokens; nothing leaks."""
     monkeypatch.setenv("TREEPAGE_STRICT_MEM_CHECK", "1")
     page = 4
-    # alloc_len for (4, 8, 16) at P = 4: 2 pages x 4 x 8 = 64; the 2x reserve (v2) is 128 tokens per request.
-    eng = cycling_engine(ckpts, "EAGLE3", page, version, max_total_tokens=640, max_running_requests=5)
+    # alloc_len for (4, 8, 16) at P = 4: 2 pages x 4 x 8 = 64 tokens, the v1 reserve (128 under v2). The pool
+    # admits two or three requests, whose growth then forces retraction; each alone fits.
+    tokens = 240 if version == 1 else 320
+    eng = cycling_engine(ckpts, "EAGLE3", page, version, max_total_tokens=tokens, max_running_requests=5)
     try:
         prompts = prompts_for(page, page)
         params = [dict(SP) for _ in prompts]
-        params[1]["max_new_tokens"] = 7  # finishes early, mid-cycle
+        params[4]["max_new_tokens"] = 7  # finishes early, mid-cycle
         sinks = [queue.Queue() for _ in prompts]
         reqs = [
             eng.submit(p, eng.make_sampling_params(sp), q.put, rid=f"r{i}")

@@ -12,6 +12,8 @@ import logging
 import platform
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,6 +35,7 @@ from treepage.speculative.eagle_worker import EagleWorker, SpecDebugCounters
 
 logger = logging.getLogger(__name__)
 
+CALIBRATION_VERSION = 1  # part of the cache key: a change to what is measured invalidates old tables
 BATCH_SIZES = (1, 2, 4, 8, 16)
 TIMED_ROUNDS = 3  # per (batch, shape), after one warm-up round; the fastest is kept (the least disturbed by
 # other processes: contention slows every shape alike, so the ratios the policy uses survive it)
@@ -55,8 +58,8 @@ def device_name(device: torch.device) -> str:
 
 def table_key(worker: EagleWorker, args: ServerArgs, dtype: torch.dtype) -> dict[str, str]:
     shapes = ",".join(s.label for s in worker.shapes)
-    extra = f"{args.speculative_algorithm} page={args.page_size} v{args.spec_version} backend=" + (
-        f"{args.attention_backend} shapes={shapes}"
+    extra = f"v{CALIBRATION_VERSION} {args.speculative_algorithm} page={args.page_size} v{args.spec_version} " + (
+        f"backend={args.attention_backend} shapes={shapes}"
     )
     return cache_key(
         args.model_path or "",
@@ -138,25 +141,12 @@ def _measure_batch(
 ) -> dict[str, tuple[float, list[float]]] | None:
     """Prefill B copies of the prompt, run 1 + TIMED_ROUNDS rounds of each shape (OFF last, so its draft
     catch-up lands in no timed round), free everything. None when the pools cannot hold the batch."""
-    pools = worker.pools
-    P = worker.P
     rounds = len(shapes) * (1 + TIMED_ROUNDS)
     grow = max(s.steps + 1 for s in shapes)
-    touch = max(alloc_len_for_shape(P, s.topk, s.steps, s.draft_tokens) for s in shapes if not s.is_off)
-    need = min(len(prompt) + rounds * grow + touch + P, pools.req_to_token_pool.row_width)
-    reqs: list[Req] = []
-    try:
-        for i in range(B):
-            row = pools.req_to_token_pool.alloc()
-            if row is None:
-                return None
-            r = Req(f"calibrate-{B}-{i}", list(prompt), SamplingParams(temperature=0.0), sink=lambda _: None)
-            r.row = row
-            reqs.append(r)
-            if not grow_row(pools.req_to_token_pool, pools.allocator, row, 0, need):
-                return None
-            r.allocated_len = need
-        worker.prefill(reqs, [len(prompt)] * B)
+    with borrowed_batch(worker, prompt, B, rounds * grow) as reqs:
+        if reqs is None:
+            return None
+        need = reqs[0].allocated_len
         out: dict[str, tuple[float, list[float]]] = {}
         for shape in [s for s in shapes if not s.is_off] + [s for s in shapes if s.is_off]:
             times, accept = [], []
@@ -170,6 +160,36 @@ def _measure_batch(
                     accept += [float(len(s.tokens)) for s in step]
             out[shape.label] = (min(times), accept)
         return out
+
+
+@contextmanager
+def borrowed_batch(worker: EagleWorker, prompt: list[int], B: int, growth: int) -> Iterator[list[Req] | None]:
+    """B prefilled copies of the prompt on rows that hold `growth` more tokens plus one round of the largest
+    shape; None when the pools cannot hold them. Rows, pages and worker state are returned on exit."""
+    pools = worker.pools
+    P = worker.P
+    touch = max(alloc_len_for_shape(P, s.topk, s.steps, s.draft_tokens) for s in worker.shapes)
+    need = min(len(prompt) + growth + touch + P, pools.req_to_token_pool.row_width)
+    reqs: list[Req] = []
+    try:
+        ok = True
+        for i in range(B):
+            row = pools.req_to_token_pool.alloc()
+            if row is None:
+                ok = False
+                break
+            r = Req(f"calibrate-{B}-{i}", list(prompt), SamplingParams(temperature=0.0), sink=lambda _: None)
+            r.row = row
+            reqs.append(r)
+            if not grow_row(pools.req_to_token_pool, pools.allocator, row, 0, need):
+                ok = False
+                break
+            r.allocated_len = need
+        if not ok:
+            yield None
+            return
+        worker.prefill(reqs, [len(prompt)] * B)
+        yield reqs
     finally:
         worker.release([r.rid for r in reqs])
         for r in reqs:
