@@ -115,7 +115,9 @@ def test_hysteresis_holds_and_releases():
 
 
 def test_accept_estimate_moves_the_choice():
-    p = policy(hysteresis=0.05)
+    p = policy(hysteresis=0.05, prior_rounds=8.0)
+    p.observe(MID, [1, 2])  # the first round weighs 1/9 against the prior's 8 rounds
+    assert p.accept[MID] == pytest.approx(2.4 + (1.5 - 2.4) / 9)
     p.accept[BIG] = 4.0
     assert p.choose(1) == BIG
     for _ in range(40):  # the traffic turns out unpredictable: one token per round

@@ -222,6 +222,7 @@ class AdaptivePolicy:
         self.table = table
         self.accept = {c: (1.0 if c.is_off else table.prior_accept[c.label]) for c in self.candidates}
         self.rounds: Counter[str] = Counter()
+        self.observed: Counter[TreeShape] = Counter()
         self.current: TreeShape = self.candidates[0]
         self._since_probe = 0
 
@@ -263,7 +264,10 @@ class AdaptivePolicy:
         if shape.is_off or not accept_lens or shape not in self.accept:
             return
         mean = sum(accept_lens) / len(accept_lens)
-        w = self.config.ema
+        # A running mean that starts with the prior worth prior_rounds rounds, until it is an EMA.
+        n = self.observed[shape]
+        w = max(self.config.ema, 1.0 / (self.config.prior_rounds + n + 1))
+        self.observed[shape] = n + 1
         self.accept[shape] = (1 - w) * self.accept[shape] + w * mean
 
     def snapshot(self) -> dict[str, Any]:
