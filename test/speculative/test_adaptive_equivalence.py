@@ -135,8 +135,8 @@ def _collect(q: queue.Queue) -> dict:
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_finish_abort_and_retraction_while_the_shape_changes(ckpts, reference, version, monkeypatch):
-    """A small KV pool forces retraction; requests finish early (short max_new_tokens) and one is aborted, all
-    while the shape changes every round. Survivors keep the plain greedy tokens; nothing leaks."""
+    """A small KV pool forces retraction; a request finishes early, one is aborted, one samples, all while the
+    shape changes every round. The greedy ones keep the plain greedy tokens; nothing leaks."""
     monkeypatch.setenv("TREEPAGE_STRICT_MEM_CHECK", "1")
     page = 4
     # alloc_len for (4, 8, 16) at P = 4: 2 pages x 4 x 8 = 64 tokens, the v1 reserve (128 under v2). The pool
@@ -147,6 +147,7 @@ def test_finish_abort_and_retraction_while_the_shape_changes(ckpts, reference, v
         prompts = prompts_for(page, page)
         params = [dict(SP) for _ in prompts]
         params[4]["max_new_tokens"] = 7  # finishes early, mid-cycle
+        params[2] = {"temperature": 0.8, "seed": 7, "max_new_tokens": MAX_NEW, "ignore_eos": True}  # sampled
         sinks = [queue.Queue() for _ in prompts]
         reqs = [
             eng.submit(p, eng.make_sampling_params(sp), q.put, rid=f"r{i}")
@@ -161,8 +162,9 @@ def test_finish_abort_and_retraction_while_the_shape_changes(ckpts, reference, v
             aborted.add(sinks[3].get(timeout=120))
         assert aborted.snapshot()["meta_info"]["finish_reason"]["type"] in ("abort", "length")
         assert eng.scheduler.stats.num_retracted > 0
+        assert len(outs[2]["output_ids"]) == MAX_NEW  # sampling runs through every shape too
         for i, o in enumerate(outs):
-            if o is None:
+            if o is None or i == 2:
                 continue
             want = reference[page][i][: params[i]["max_new_tokens"]]
             assert o["output_ids"] == want, i
