@@ -125,10 +125,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--name", default="concurrency_cpu")
     ap.add_argument("--plot", default=str(DOCS / "bench_concurrency.png"))
+    ap.add_argument("--servers", nargs="+", default=None, help="a subset of the server names (smoke runs)")
     args = ap.parse_args(argv)
     ensure_passive_omp()
 
-    flags = servers()
+    flags = {k: v for k, v in servers().items() if args.servers is None or k in args.servers}
     questions = heldout_questions(max(max(args.concurrency), args.requests) + 1)
     results: dict = {"machine": machine_info(), "args": vars(args), "servers": flags, "runs": {}}
     with ExitStack() as stack, tempfile.TemporaryDirectory() as logs:

@@ -112,7 +112,7 @@ class EagleWorker(Worker):
         self.adaptive_config: AdaptiveConfig | None = None
         self.policy: ShapePolicy | None = None
         if args.speculative_adaptive:
-            path = args.speculative_adaptive_config
+            path = args.speculative_adaptive_config  # its candidates were resolved into self.shapes
             self.adaptive_config = AdaptiveConfig.load(path, self.shape) if path else AdaptiveConfig(self.shapes)
             self.adaptive_config.candidates = self.shapes
             if args.speculative_adaptive_debug_cycle:
@@ -227,7 +227,9 @@ class EagleWorker(Worker):
         return [StepOutput([t], n + 1) for t, n in zip(toks, L)]
 
     @torch.inference_mode()
-    def run_round(self, reqs: list[Req], allocated: list[int], shape: TreeShape | None = None) -> list[StepOutput]:
+    def run_round(
+        self, reqs: list[Req], allocated: list[int], shape: TreeShape | None = None
+    ) -> list[StepOutput]:
         """`allocated`: each row's allocation as the scheduler reserved it for this round; `shape`: this round's
         tree (None: the configured one; OFF: a plain decode)."""
         shape = shape or self.shape
