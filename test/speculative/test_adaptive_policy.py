@@ -116,16 +116,34 @@ def test_hysteresis_holds_and_releases():
 
 def test_accept_estimate_moves_the_choice():
     p = policy(hysteresis=0.05, prior_rounds=8.0)
-    p.observe(MID, [1, 2])  # the first round weighs 1/9 against the prior's 8 rounds
+    p.observe(MID, [1, 2], 2, SECONDS[MID.label][2])  # the first round weighs 1/9 against the prior's 8 rounds
     assert p.accept[MID] == pytest.approx(2.4 + (1.5 - 2.4) / 9)
     p.accept[BIG] = 4.0
     assert p.choose(1) == BIG
     for _ in range(40):  # the traffic turns out unpredictable: one token per round
-        p.observe(BIG, [1, 1])
+        p.observe(BIG, [1, 1], 2, SECONDS[BIG.label][2])
     assert p.accept[BIG] < 1.1
     assert p.choose(1) != BIG
-    p.observe(OFF, [1])  # OFF teaches nothing
+    p.observe(OFF, [], 1, SECONDS["off"][1])  # OFF emits one token per round, always
     assert p.accept[OFF] == 1.0
+    assert p.seconds(BIG, 3) == pytest.approx(table().seconds(BIG, 3))  # rounds as calibrated: no correction
+
+
+def test_served_round_times_correct_the_calibration():
+    """Calibration said OFF takes 51 ms at batch 8; served OFF rounds take 204 ms (say the calibration ran while
+    another process slept). The served rounds take over from the calibration, and the policy switches to a
+    speculative shape."""
+    p = policy(hysteresis=0.05)
+    assert p.choose(8) == OFF
+    for _ in range(20):
+        p.observe(OFF, [], 8, 0.204)
+    assert p.seconds(OFF, 8) == pytest.approx(0.204, rel=0.2)
+    assert p.seconds(OFF, 1) == pytest.approx(SECONDS["off"][1] * p.seconds(OFF, 8) / 0.051)  # one scale per shape
+    best = p.choose(8)
+    assert best == ONE == max(p.candidates, key=lambda c: p.rate(c, 8))
+    slow = p.seconds(BIG, 1)
+    p.observe(BIG, [3, 3], 2, 10 * SECONDS[BIG.label][2])  # one outlier moves the log-space estimate by 1/3
+    assert p.seconds(BIG, 1) == pytest.approx(slow * 10 ** (1 / 3))
 
 
 def test_probes_refresh_other_shapes():

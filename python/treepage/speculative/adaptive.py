@@ -12,6 +12,7 @@ import bisect
 import hashlib
 import json
 import logging
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ class TreeShape:
 
 
 OFF = TreeShape(0, 1, 1)
+TIME_PRIOR_ROUNDS = 2.0  # the calibrated seconds count as this many served rounds
 
 
 def max_tree_nodes(steps: int, topk: int) -> int:
@@ -202,7 +204,7 @@ def save_table(path: Path, table: CostTable) -> None:
 class ShapePolicy(Protocol):
     def choose(self, batch_size: int) -> TreeShape: ...
 
-    def observe(self, shape: TreeShape, accept_lens: list[int]) -> None: ...
+    def observe(self, shape: TreeShape, accept_lens: list[int], batch: int, seconds: float) -> None: ...
 
     def snapshot(self) -> dict[str, Any]: ...
 
@@ -211,9 +213,12 @@ class AdaptivePolicy:
     """argmax over candidates of E[accept] * B / t_round(shape, B), with hysteresis and occasional probes.
 
     E[accept] is an EMA of the tokens emitted per request-round (accepted drafts + the bonus token), starting
-    from the calibration prior; OFF emits exactly one. A shape that is never chosen would keep a stale estimate
-    forever (and OFF would never learn that the traffic became predictable), so every `probe_every` rounds the
-    best other speculative shape runs once.
+    from the calibration prior; OFF emits exactly one. t_round is the calibrated table times a per-shape scale,
+    an EMA (in log space, so one slow outlier does not dominate) of measured / calibrated seconds of the rounds
+    actually served: a calibration disturbed by other processes, or serving conditions it did not see (the
+    overlap thread, longer contexts), are corrected within a few rounds. A shape that is never chosen would keep
+    stale estimates forever (and OFF would never learn that the traffic became predictable), so every
+    `probe_every` rounds the best other speculative shape runs once.
     """
 
     def __init__(self, config: AdaptiveConfig, table: CostTable) -> None:
@@ -223,12 +228,22 @@ class AdaptivePolicy:
         self.accept = {c: (1.0 if c.is_off else table.prior_accept[c.label]) for c in self.candidates}
         self.rounds: Counter[str] = Counter()
         self.observed: Counter[TreeShape] = Counter()
+        self.log_time_scale: dict[TreeShape, float] = dict.fromkeys(self.candidates, 0.0)
+        self.timed: Counter[TreeShape] = Counter()
         self.current: TreeShape = self.candidates[0]
         self._since_probe = 0
 
     def rate(self, shape: TreeShape, batch: int) -> float:
         """Expected output tokens per second of a round of this shape at this batch size."""
-        return self.accept[shape] * batch / self.table.seconds(shape, batch)
+        return self.accept[shape] * batch / self.seconds(shape, batch)
+
+    def seconds(self, shape: TreeShape, batch: int) -> float:
+        """Expected seconds of one round: the calibrated table, corrected by what served rounds took."""
+        return self.table.seconds(shape, batch) * math.exp(self.log_time_scale[shape])
+
+    def _weight(self, n: int, prior_rounds: float) -> float:
+        """A running mean that starts with the prior worth prior_rounds rounds, until it is an EMA."""
+        return max(self.config.ema, 1.0 / (prior_rounds + n + 1))
 
     def best(self, batch: int) -> TreeShape:
         """The candidate with the highest expected rate, keeping the current one unless beaten by the margin."""
@@ -260,14 +275,19 @@ class AdaptivePolicy:
         self.rounds[chosen.label] += 1
         return chosen
 
-    def observe(self, shape: TreeShape, accept_lens: list[int]) -> None:
-        if shape.is_off or not accept_lens or shape not in self.accept:
+    def observe(self, shape: TreeShape, accept_lens: list[int], batch: int, seconds: float) -> None:
+        """A served round: the tokens each request emitted, the batch size and the round's wall time."""
+        if shape not in self.accept or batch < 1:
+            return
+        w = self._weight(self.timed[shape], TIME_PRIOR_ROUNDS)
+        self.timed[shape] += 1
+        ratio = math.log(max(seconds, 1e-6) / self.table.seconds(shape, batch))
+        self.log_time_scale[shape] = (1 - w) * self.log_time_scale[shape] + w * ratio
+        if shape.is_off or not accept_lens:
             return
         mean = sum(accept_lens) / len(accept_lens)
-        # A running mean that starts with the prior worth prior_rounds rounds, until it is an EMA.
-        n = self.observed[shape]
-        w = max(self.config.ema, 1.0 / (self.config.prior_rounds + n + 1))
-        self.observed[shape] = n + 1
+        w = self._weight(self.observed[shape], self.config.prior_rounds)
+        self.observed[shape] += 1
         self.accept[shape] = (1 - w) * self.accept[shape] + w * mean
 
     def snapshot(self) -> dict[str, Any]:
@@ -277,6 +297,7 @@ class AdaptivePolicy:
             "candidates": [c.label for c in self.candidates],
             "rounds": {c.label: self.rounds[c.label] for c in self.candidates},
             "accept_estimate": {c.label: round(a, 4) for c, a in self.accept.items()},
+            "time_scale": {c.label: round(math.exp(x), 4) for c, x in self.log_time_scale.items()},
             "calibration": self.table.to_json(),
         }
 
@@ -296,7 +317,7 @@ class CyclePolicy:
         self.rounds[shape.label] += 1
         return shape
 
-    def observe(self, shape: TreeShape, accept_lens: list[int]) -> None:
+    def observe(self, shape: TreeShape, accept_lens: list[int], batch: int, seconds: float) -> None:
         """Nothing to learn: the schedule is fixed."""
 
     def snapshot(self) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from treepage.speculative.eagle_worker import EagleWorker, SpecDebugCounters
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 1  # part of the cache key: a change to what is measured invalidates old tables
+CALIBRATION_VERSION = 2  # part of the cache key: a change to what is measured invalidates old tables
 BATCH_SIZES = (1, 2, 4, 8, 16)
 TIMED_ROUNDS = 3  # per (batch, shape), after one warm-up round; the fastest is kept (the least disturbed by
 # other processes: contention slows every shape alike, so the ratios the policy uses survive it)
@@ -139,26 +139,28 @@ def calibrate(worker: EagleWorker, shapes: list[TreeShape], prompt: list[int], b
 def _measure_batch(
     worker: EagleWorker, shapes: list[TreeShape], prompt: list[int], B: int
 ) -> dict[str, tuple[float, list[float]]] | None:
-    """Prefill B copies of the prompt, run 1 + TIMED_ROUNDS rounds of each shape (OFF last, so its draft
-    catch-up lands in no timed round), free everything. None when the pools cannot hold the batch."""
+    """Prefill B copies of the prompt, run 1 + TIMED_ROUNDS passes over the shapes (OFF last in each pass: its
+    one-token draft catch-up lands in the next pass's first round, as it would when serving), free everything.
+    None when the pools cannot hold the batch."""
     rounds = len(shapes) * (1 + TIMED_ROUNDS)
     grow = max(s.steps + 1 for s in shapes)
     with borrowed_batch(worker, prompt, B, rounds * grow) as reqs:
         if reqs is None:
             return None
         need = reqs[0].allocated_len
-        out: dict[str, tuple[float, list[float]]] = {}
-        for shape in [s for s in shapes if not s.is_off] + [s for s in shapes if s.is_off]:
-            times, accept = [], []
-            for k in range(1 + TIMED_ROUNDS):
+        order = [s for s in shapes if not s.is_off] + [s for s in shapes if s.is_off]
+        times: dict[str, list[float]] = {s.label: [] for s in order}
+        accept: dict[str, list[float]] = {s.label: [] for s in order}
+        for k in range(1 + TIMED_ROUNDS):  # shapes interleaved: a burst of contention hits all of them
+            for shape in order:
                 t0 = time.perf_counter()
                 step = worker.run_round(reqs, [need] * B, shape)
                 if worker.device.type == "cuda":
                     torch.cuda.synchronize(worker.device)
                 if k:
-                    times.append(time.perf_counter() - t0)
-                    accept += [float(len(s.tokens)) for s in step]
-            out[shape.label] = (min(times), accept)
+                    times[shape.label].append(time.perf_counter() - t0)
+                    accept[shape.label] += [float(len(s.tokens)) for s in step]
+        out = {label: (min(times[label]), accept[label]) for label in times}
         return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -126,10 +127,19 @@ class EagleWorker(Worker):
     def next_shape(self, batch_size: int) -> TreeShape:
         return self.policy.choose(batch_size) if self.policy is not None else self.shape
 
-    def observe(self, shape: TreeShape, outs: list[StepOutput]) -> None:
-        """Feed a finished round's accept lengths to the policy (called on the scheduler thread)."""
-        if self.policy is not None and not shape.is_off:
-            self.policy.observe(shape, [len(o.tokens) for o in outs if o.verified and o.tokens])
+    def observe(self, shape: TreeShape, outs: list[StepOutput], seconds: float) -> None:
+        """Feed a finished round's accept lengths and wall time to the policy (on the scheduler thread)."""
+        if self.policy is not None:
+            accept = [len(o.tokens) for o in outs if o.verified and o.tokens]
+            self.policy.observe(shape, accept, len(outs), seconds)
+
+    def timed_round(
+        self, reqs: list[Req], allocated: list[int], shape: TreeShape
+    ) -> tuple[list[StepOutput], float]:
+        """run_round and its wall time (the round ends with host copies of its tokens, so a GPU is synced)."""
+        t0 = time.perf_counter()
+        outs = self.run_round(reqs, allocated, shape)
+        return outs, time.perf_counter() - t0
 
     # ---- the worker contract ----------------------------------------------------------------------------------
     def release(self, rids: list[str]) -> None:
@@ -141,8 +151,8 @@ class EagleWorker(Worker):
 
     def decode(self, reqs: list[Req]) -> list[StepOutput]:
         shape = self.next_shape(len(reqs))
-        outs = self.run_round(reqs, [r.allocated_len for r in reqs], shape)
-        self.observe(shape, outs)
+        outs, seconds = self.timed_round(reqs, [r.allocated_len for r in reqs], shape)
+        self.observe(shape, outs, seconds)
         return outs
 
     @torch.inference_mode()

@@ -24,7 +24,7 @@ from treepage.speculative.eagle_worker import EagleWorker
 class _Inflight:
     rids: list[str]
     shape: TreeShape
-    future: Future[list[StepOutput]]
+    future: Future[tuple[list[StepOutput], float]]
 
 
 class EagleWorkerV2(EagleWorker):
@@ -40,8 +40,8 @@ class EagleWorkerV2(EagleWorker):
         if self.inflight is None:
             return
         done, self.inflight = self.inflight, None
-        outs = done.future.result()
-        self.observe(done.shape, outs)
+        outs, seconds = done.future.result()
+        self.observe(done.shape, outs, seconds)
         self.pending.update(zip(done.rids, outs))
 
     def decode(self, reqs: list[Req]) -> list[StepOutput]:
@@ -50,12 +50,12 @@ class EagleWorkerV2(EagleWorker):
             self.drain()
             return [self.pending.pop(r.rid, None) or StepOutput([], r.kv_committed_len) for r in reqs]
         shape = self.next_shape(len(reqs))
-        fut = self.executor.submit(self.run_round, list(reqs), [r.allocated_len for r in reqs], shape)
+        fut = self.executor.submit(self.timed_round, list(reqs), [r.allocated_len for r in reqs], shape)
         prev, self.inflight = self.inflight, _Inflight(rids, shape, fut)
         if prev is None:  # the first round of a pipeline: its tokens arrive with the next call
             return [StepOutput([], r.kv_committed_len) for r in reqs]
-        outs = prev.future.result()
-        self.observe(prev.shape, outs)
+        outs, seconds = prev.future.result()
+        self.observe(prev.shape, outs, seconds)
         return outs
 
     def prefill(self, reqs: list[Req], ends: list[int]) -> list[StepOutput]:
