@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 
@@ -80,6 +81,9 @@ def test_interpolation_and_extrapolation():
     assert t.seconds(BIG, 1) == pytest.approx(0.100)
     assert t.seconds(BIG, 3) == pytest.approx(0.180)  # halfway between 2 and 4
     assert t.seconds(BIG, 16) == pytest.approx(0.380 + 8 * (0.380 - 0.220) / 4)  # last segment's slope
+    # A noisy flat last segment: beyond the range the slope of all points, not zero.
+    noisy = CostTable({"off": {1: 0.1, 2: 0.2, 4: 0.2}}, {"off": 1.0})
+    assert noisy.seconds(OFF, 8) == pytest.approx(0.2 + 4 * (0.4 / 3) / (14 / 3))
     single = CostTable({"off": {2: 0.04}}, {"off": 1.0})
     assert single.seconds(OFF, 4) == pytest.approx(0.08)
 
@@ -116,7 +120,9 @@ def test_hysteresis_holds_and_releases():
 
 def test_accept_estimate_moves_the_choice():
     p = policy(hysteresis=0.05, prior_rounds=8.0)
-    p.observe(MID, [1, 2], 2, SECONDS[MID.label][2])  # the first round weighs 1/9 against the prior's 8 rounds
+    p.observe(
+        MID, [1, 2], 2, SECONDS[MID.label][2]
+    )  # the first round weighs 1/9 against the prior's 8 rounds
     assert p.accept[MID] == pytest.approx(2.4 + (1.5 - 2.4) / 9)
     p.accept[BIG] = 4.0
     assert p.choose(1) == BIG
@@ -138,7 +144,8 @@ def test_served_round_times_correct_the_calibration():
     for _ in range(20):
         p.observe(OFF, [], 8, 0.204)
     assert p.seconds(OFF, 8) == pytest.approx(0.204, rel=0.2)
-    assert p.seconds(OFF, 1) == pytest.approx(SECONDS["off"][1] * p.seconds(OFF, 8) / 0.051)  # one scale per shape
+    # Other batch sizes of the same shape scale the table by what served rounds took.
+    assert p.seconds(OFF, 1) == pytest.approx(SECONDS["off"][1] * 4, rel=0.2)
     best = p.choose(8)
     assert best == ONE == max(p.candidates, key=lambda c: p.rate(c, 8))
     slow = p.seconds(BIG, 1)
@@ -244,3 +251,16 @@ def test_a_shape_change_is_logged(caplog):
         p.choose(8)
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [f"speculative shape {BIG.label} -> off at batch 8 (expected 156.9 vs 84.2 tok/s)"]
+
+
+def test_probes_time_off_while_speculating():
+    """While a tree wins, OFF is the runner-up that gets probed: its served time is learnt too."""
+    p = policy(probe_every=4, hysteresis=0.0)
+    p.accept[BIG] = 6.0  # the big tree wins at batch 1 by far; OFF (33.3 tok/s) is the runner-up
+    chosen = [p.choose(1) for _ in range(8)]
+    assert chosen[3] == chosen[7] == max((c for c in p.candidates if c != BIG), key=lambda c: p.rate(c, 1))
+    assert chosen.count(BIG) == 6
+    p.observe(OFF, [], 1, 0.3)
+    assert p.snapshot()["served_seconds"]["off"][1] == pytest.approx(
+        math.exp((2 * math.log(0.03) + math.log(0.3)) / 3), rel=1e-3
+    )

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,10 +93,8 @@ class AdaptiveConfig:
     include_off: bool = True
     hysteresis: float = 0.05  # switch only when the best shape beats the current one by this fraction
     ema: float = 0.1  # weight of one round in the accept-length estimate
-    prior_rounds: float = 8.0  # the calibration prior counts as this many rounds before the EMA takes over
-    probe_every: int = (
-        64  # rounds between probes of the best other speculative shape (refreshes its estimate)
-    )
+    prior_rounds: float = 4.0  # the calibration prior counts as this many rounds before the EMA takes over
+    probe_every: int = 32  # rounds between probes of the best other candidate (refreshes its estimates)
 
     @staticmethod
     def load(path: str, configured: TreeShape) -> AdaptiveConfig:
@@ -132,12 +131,17 @@ class CostTable:
     key: dict[str, str] = field(default_factory=dict)
 
     def seconds(self, shape: TreeShape, batch: int) -> float:
-        """Piecewise-linear in the batch size; beyond the measured range, the last segment's slope."""
+        """Piecewise-linear in the batch size inside the measured range; beyond it, the last point plus the
+        least-squares slope of all points (a noisy last segment must not make large batches look free)."""
         pts = sorted(self.round_seconds[shape.label].items())
         xs = [b for b, _ in pts]
         if len(pts) == 1:
             return pts[0][1] * batch / xs[0]
-        i = min(max(bisect.bisect_left(xs, batch), 1), len(pts) - 1)
+        if batch >= xs[-1]:
+            mx, my = statistics.fmean(xs), statistics.fmean(t for _, t in pts)
+            slope = sum((x - mx) * (t - my) for x, t in pts) / sum((x - mx) ** 2 for x in xs)
+            return pts[-1][1] + max(slope, 0.0) * (batch - xs[-1])
+        i = max(bisect.bisect_left(xs, batch), 1)
         (b0, t0), (b1, t1) = pts[i - 1], pts[i]
         return max(t0 + (t1 - t0) * (batch - b0) / (b1 - b0), 1e-9)
 
@@ -213,12 +217,13 @@ class AdaptivePolicy:
     """argmax over candidates of E[accept] * B / t_round(shape, B), with hysteresis and occasional probes.
 
     E[accept] is an EMA of the tokens emitted per request-round (accepted drafts + the bonus token), starting
-    from the calibration prior; OFF emits exactly one. t_round is the calibrated table times a per-shape scale,
-    an EMA (in log space, so one slow outlier does not dominate) of measured / calibrated seconds of the rounds
-    actually served: a calibration disturbed by other processes, or serving conditions it did not see (the
-    overlap thread, longer contexts), are corrected within a few rounds. A shape that is never chosen would keep
+    from the calibration prior; OFF emits exactly one. t_round(shape, B) is an EMA (in log space, so one slow
+    outlier does not dominate) of the wall time of the rounds served with that shape at that batch size,
+    starting from the calibrated table times a per-shape scale learnt the same way at any batch size: a
+    calibration disturbed by other processes, or serving conditions it did not see (the overlap thread next to
+    the scheduler, longer contexts), is corrected within a few rounds. A shape that is never chosen would keep
     stale estimates forever (and OFF would never learn that the traffic became predictable), so every
-    `probe_every` rounds the best other speculative shape runs once.
+    `probe_every` rounds the best other candidate (OFF included) runs once.
     """
 
     def __init__(self, config: AdaptiveConfig, table: CostTable) -> None:
@@ -230,6 +235,8 @@ class AdaptivePolicy:
         self.observed: Counter[TreeShape] = Counter()
         self.log_time_scale: dict[TreeShape, float] = dict.fromkeys(self.candidates, 0.0)
         self.timed: Counter[TreeShape] = Counter()
+        self.served_log_seconds: dict[tuple[TreeShape, int], float] = {}  # per (shape, batch size)
+        self.served: Counter[tuple[TreeShape, int]] = Counter()
         self.current: TreeShape = self.candidates[0]
         self._since_probe = 0
 
@@ -238,7 +245,11 @@ class AdaptivePolicy:
         return self.accept[shape] * batch / self.seconds(shape, batch)
 
     def seconds(self, shape: TreeShape, batch: int) -> float:
-        """Expected seconds of one round: the calibrated table, corrected by what served rounds took."""
+        """Expected seconds of one round: what served rounds of this shape at this batch size took, else the
+        calibrated table scaled by what this shape's served rounds took at any batch size."""
+        served = self.served_log_seconds.get((shape, batch))
+        if served is not None:
+            return math.exp(served)
         return self.table.seconds(shape, batch) * math.exp(self.log_time_scale[shape])
 
     def _weight(self, n: int, prior_rounds: float) -> float:
@@ -269,7 +280,7 @@ class AdaptivePolicy:
         self._since_probe += 1
         if self.config.probe_every > 0 and self._since_probe >= self.config.probe_every:
             self._since_probe = 0
-            others = [c for c in self.candidates if c != chosen and not c.is_off]
+            others = [c for c in self.candidates if c != chosen]
             if others:
                 chosen = max(others, key=lambda c: self.rate(c, batch_size))
         self.rounds[chosen.label] += 1
@@ -279,9 +290,15 @@ class AdaptivePolicy:
         """A served round: the tokens each request emitted, the batch size and the round's wall time."""
         if shape not in self.accept or batch < 1:
             return
+        log_s = math.log(max(seconds, 1e-6))
+        key = (shape, batch)
+        before = math.log(self.seconds(shape, batch))
+        w = self._weight(self.served[key], TIME_PRIOR_ROUNDS)
+        self.served[key] += 1
+        self.served_log_seconds[key] = (1 - w) * before + w * log_s
         w = self._weight(self.timed[shape], TIME_PRIOR_ROUNDS)
         self.timed[shape] += 1
-        ratio = math.log(max(seconds, 1e-6) / self.table.seconds(shape, batch))
+        ratio = log_s - math.log(self.table.seconds(shape, batch))
         self.log_time_scale[shape] = (1 - w) * self.log_time_scale[shape] + w * ratio
         if shape.is_off or not accept_lens:
             return
@@ -298,6 +315,10 @@ class AdaptivePolicy:
             "rounds": {c.label: self.rounds[c.label] for c in self.candidates},
             "accept_estimate": {c.label: round(a, 4) for c, a in self.accept.items()},
             "time_scale": {c.label: round(math.exp(x), 4) for c, x in self.log_time_scale.items()},
+            "served_seconds": {
+                c.label: {b: round(math.exp(x), 5) for (s, b), x in sorted(self.served_log_seconds.items()) if s == c}
+                for c in self.candidates
+            },
             "calibration": self.table.to_json(),
         }
 

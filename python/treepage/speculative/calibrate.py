@@ -35,10 +35,10 @@ from treepage.speculative.eagle_worker import EagleWorker, SpecDebugCounters
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 2  # part of the cache key: a change to what is measured invalidates old tables
+CALIBRATION_VERSION = 3  # part of the cache key: a change to what is measured invalidates old tables
 BATCH_SIZES = (1, 2, 4, 8, 16)
-TIMED_ROUNDS = 3  # per (batch, shape), after one warm-up round; the fastest is kept (the least disturbed by
-# other processes: contention slows every shape alike, so the ratios the policy uses survive it)
+TIMED_ROUNDS = 2  # per (batch, shape), after one warm-up round; the fastest is kept (the least disturbed by
+# other processes); served rounds correct the table online (AdaptivePolicy.seconds)
 CPU_BUDGET_S = 20.0
 CUDA_BUDGET_S = 10.0
 
