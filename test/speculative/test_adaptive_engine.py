@@ -94,7 +94,8 @@ def test_pinned_table_is_loaded_not_measured(ckpts, tmp_path):
         assert info["calibration"]["round_seconds"]["off"] == {"1": 0.001, "8": 0.002}
         eng.generate(input_ids=PROMPTS, sampling_params=SP)
         rounds = eng.get_server_info()["speculative_adaptive"]["rounds"]
-        assert rounds["off"] > 0 and sum(rounds.values()) - rounds["off"] <= rounds["off"] // 64 + 1
+        # after 4 exploration rounds per shape, only probes (every 32 rounds) leave OFF
+        assert rounds["off"] > 0 and sum(rounds.values()) - rounds["off"] <= 4 * 4 + rounds["off"] // 32 + 1
     finally:
         eng.shutdown()
     assert time.perf_counter() - t0 < 60

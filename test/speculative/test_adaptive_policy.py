@@ -68,6 +68,7 @@ def table() -> CostTable:
 
 def policy(**kw) -> AdaptivePolicy:
     kw.setdefault("probe_every", 0)
+    kw.setdefault("explore_rounds", 0)
     return AdaptivePolicy(AdaptiveConfig([BIG, MID, CHAIN, ONE], **kw), table())
 
 
@@ -264,3 +265,10 @@ def test_probes_time_off_while_speculating():
     assert p.snapshot()["served_seconds"]["off"][1] == pytest.approx(
         math.exp((2 * math.log(0.03) + math.log(0.3)) / 3), rel=1e-3
     )
+
+
+def test_start_up_exploration_serves_every_candidate():
+    p = policy(explore_rounds=2, hysteresis=0.0)
+    first = [p.choose(1) for _ in range(10)]
+    assert sorted(first) == sorted([BIG, MID, CHAIN, ONE, OFF] * 2)
+    assert p.choose(1) == max(p.candidates, key=lambda c: p.rate(c, 1))  # then the policy decides

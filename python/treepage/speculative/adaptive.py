@@ -95,6 +95,7 @@ class AdaptiveConfig:
     ema: float = 0.1  # weight of one round in the accept-length estimate
     prior_rounds: float = 4.0  # the calibration prior counts as this many rounds before the EMA takes over
     probe_every: int = 32  # rounds between probes of the best other candidate (refreshes its estimates)
+    explore_rounds: int = 4  # at start-up each candidate serves this many rounds, so served times exist
 
     @staticmethod
     def load(path: str, configured: TreeShape) -> AdaptiveConfig:
@@ -102,7 +103,15 @@ class AdaptiveConfig:
             raw = json.load(f)
         if not isinstance(raw, dict):
             raise ValueError(f"--speculative-adaptive-config {path}: expected a JSON object")
-        known = {"candidates", "include_off", "hysteresis", "ema", "prior_rounds", "probe_every"}
+        known = {
+            "candidates",
+            "include_off",
+            "hysteresis",
+            "ema",
+            "prior_rounds",
+            "probe_every",
+            "explore_rounds",
+        }
         unknown = set(raw) - known
         if unknown:
             raise ValueError(
@@ -223,7 +232,8 @@ class AdaptivePolicy:
     calibration disturbed by other processes, or serving conditions it did not see (the overlap thread next to
     the scheduler, longer contexts), is corrected within a few rounds. A shape that is never chosen would keep
     stale estimates forever (and OFF would never learn that the traffic became predictable), so every
-    `probe_every` rounds the best other candidate (OFF included) runs once.
+    `probe_every` rounds the best other candidate (OFF included) runs once; before any choice, each candidate
+    serves `explore_rounds` rounds, so every shape's per-shape scale starts from served rounds.
     """
 
     def __init__(self, config: AdaptiveConfig, table: CostTable) -> None:
@@ -266,6 +276,11 @@ class AdaptivePolicy:
         return top
 
     def choose(self, batch_size: int) -> TreeShape:
+        unexplored = [c for c in self.candidates if self.rounds[c.label] < self.config.explore_rounds]
+        if unexplored:  # the calibration ran in other conditions than serving: measure each shape served
+            shape = min(unexplored, key=lambda c: self.rounds[c.label])
+            self.rounds[shape.label] += 1
+            return shape
         chosen = self.best(batch_size)
         if chosen != self.current:
             logger.info(
@@ -316,7 +331,11 @@ class AdaptivePolicy:
             "accept_estimate": {c.label: round(a, 4) for c, a in self.accept.items()},
             "time_scale": {c.label: round(math.exp(x), 4) for c, x in self.log_time_scale.items()},
             "served_seconds": {
-                c.label: {b: round(math.exp(x), 5) for (s, b), x in sorted(self.served_log_seconds.items()) if s == c}
+                c.label: {
+                    b: round(math.exp(x), 5)
+                    for (s, b), x in sorted(self.served_log_seconds.items())
+                    if s == c
+                }
                 for c in self.candidates
             },
             "calibration": self.table.to_json(),
