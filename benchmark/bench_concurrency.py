@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     flags = {k: v for k, v in servers().items() if args.servers is None or k in args.servers}
     questions = heldout_questions(max(max(args.concurrency), args.requests) + 1)
-    results: dict = {"machine": machine_info(), "args": vars(args), "servers": flags, "runs": {}}
+    recorded = vars(args) | {"plot": os.path.relpath(args.plot, HERE.parent)}
+    results: dict = {"machine": machine_info(), "args": recorded, "servers": flags, "runs": {}}
     with ExitStack() as stack, tempfile.TemporaryDirectory() as logs:
         os.environ["TREEPAGE_CACHE_DIR"] = logs  # the default server calibrates at start-up, as on a fresh machine
         urls = {}
@@ -147,6 +148,10 @@ def main(argv: list[str] | None = None) -> dict:
         results["default_server_info"] = {
             k: info.get(k) for k in ("dtype", "page_size", "spec_version", "speculative_adaptive")
         }
+        key = (results["default_server_info"]["speculative_adaptive"] or {}).get("calibration", {}).get("key", {})
+        for k in ("model", "draft"):  # no machine paths in committed results
+            if k in key:
+                key[k] = os.path.basename(key[k])
         results["fixed_accept_length"] = {
             name: httpx.get(f"{u}/get_server_info", timeout=10).json().get("avg_spec_accept_length")
             for name, u in urls.items()
