@@ -47,9 +47,17 @@ class ServerArgs:
     # Debug: force every verify to accept this many tokens (root + drafts) regardless of the target,
     # so throughput can be measured without trained weights. Output is then NOT the target's.
     speculative_debug_fixed_accept_len: int | None = None
+    # Adaptive speculation (speculative/adaptive.py): choose the tree shape, or plain decoding, every round.
+    # None: on for the default server unless a fixed shape is given, off otherwise.
+    speculative_adaptive: bool | None = None
+    speculative_adaptive_config: str | None = None  # JSON: candidates, hysteresis, ...
+    speculative_adaptive_calibration: str | None = None  # a cost-table JSON to load (or to write once)
+    speculative_adaptive_debug_cycle: bool = False  # debug: a different shape every round, OFF included
 
     # Filled in by resolution (arg_groups): not flags.
     spec_version: int = 0  # 0 = no speculation, 1 = synchronous rounds, 2 = overlap scheduling
+    # (steps, topk, draft tokens) of every shape a round may use; sizing takes the max over them.
+    speculative_shapes: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def speculation(self) -> bool:
@@ -118,6 +126,16 @@ def make_parser() -> argparse.ArgumentParser:
     a("--speculative-num-draft-tokens", type=int, default=None)
     a("--disable-overlap-schedule", action="store_true")
     a("--speculative-debug-fixed-accept-len", type=int, default=None)
+    a(
+        "--speculative-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="choose the tree shape (or plain decoding) every round from a measured cost model; on by default "
+        "for the default server",
+    )
+    a("--speculative-adaptive-config", default=None, help="JSON file: candidates [[S, K, N], ...], hysteresis")
+    a("--speculative-adaptive-calibration", default=None, help="cost-table JSON to reuse (written if missing)")
+    a("--speculative-adaptive-debug-cycle", action="store_true", help=argparse.SUPPRESS)
     return p
 
 

@@ -58,3 +58,37 @@ def test_triton_backend_greedy_equivalence(ckpts, page, topk, version):
         assert eng.memory_report()["used_pages"] == 0
     finally:
         eng.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", [1, 2])
+def test_triton_backend_cycling_shapes(ckpts, version):
+    """Adaptive speculation's debug schedule (a different shape every round, OFF included) on the triton
+    kernels: the cascade draft decode and the tail duplication see K and S change between rounds."""
+    target, draft, ref = ckpts
+    eng = Engine(
+        ServerArgs(
+            model_path=target,
+            dtype="float32",
+            page_size=16,
+            attention_backend="triton",
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=draft,
+            speculative_num_steps=3,
+            speculative_eagle_topk=4,
+            speculative_num_draft_tokens=8,
+            speculative_adaptive=True,
+            speculative_adaptive_debug_cycle=True,
+            disable_overlap_schedule=version == 1,
+            max_total_tokens=POOL,
+        )
+    )
+    try:
+        out = [o["output_ids"] for o in eng.generate(input_ids=PROMPTS, sampling_params=SP)]
+        assert out == ref
+        rounds = eng.get_server_info()["speculative_adaptive"]["rounds"]
+        assert sum(n > 0 for n in rounds.values()) >= 3, rounds  # 10 tokens: a few rounds, each a new shape
+        eng.wait_idle()
+        assert eng.memory_report()["used_pages"] == 0
+    finally:
+        eng.shutdown()

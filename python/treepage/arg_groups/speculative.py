@@ -6,6 +6,7 @@ import logging
 
 from treepage.layers.attention.registry import get_backend_class, paged_tree_backends
 from treepage.server_args import ArgumentError, ServerArgs
+from treepage.speculative.adaptive import AdaptiveConfig, TreeShape, default_candidates
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,9 @@ DEFAULT_SERVER_PAGE = 64
 def apply_default_server_speculation(args: ServerArgs) -> None:
     """For the embedded default model with no --speculative-algorithm: EAGLE-3 with the shipped head.
 
-    `--speculative-algorithm NONE` turns it off; explicit steps / topk / draft-token flags are kept.
+    `--speculative-algorithm NONE` turns it off; explicit steps / topk / draft-token flags are kept and fix
+    the shape; without them the shape adapts per round (`--speculative-adaptive`; `--no-speculative-adaptive`
+    keeps the fixed default tree).
     """
     from treepage.models.shipped_heads import shipped_head_path
 
@@ -37,6 +40,8 @@ def apply_default_server_speculation(args: ServerArgs) -> None:
     ) * 3:
         S, K, N = DEFAULT_SERVER_TREE
         args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens = S, K, N
+        if args.speculative_adaptive is None:
+            args.speculative_adaptive = True
     if args.page_size is None:
         args.page_size = DEFAULT_SERVER_PAGE
 
@@ -54,7 +59,10 @@ def resolve_speculative(args: ServerArgs, architecture: str = "LlamaForCausalLM"
     if args.speculative_algorithm in (None, "NONE"):
         args.speculative_algorithm = None
         args.spec_version = 0
-        for flag in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"):
+        flags: tuple[str, ...] = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+        if args.speculative_adaptive or args.speculative_adaptive_debug_cycle:
+            flags += ("speculative_adaptive",)
+        for flag in flags:
             if getattr(args, flag) is not None:
                 raise ArgumentError(
                     f"--{flag.replace('_', '-')} needs --speculative-algorithm (EAGLE, EAGLE3 or STANDALONE)"
@@ -109,7 +117,42 @@ def resolve_speculative(args: ServerArgs, architecture: str = "LlamaForCausalLM"
         raise ArgumentError(f"--speculative-debug-fixed-accept-len must be in 1..{S + 1}, got {fixed}")
 
     args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens = S, K, N
+    args.speculative_shapes = _resolve_shapes(args, TreeShape(S, K, N), P, backend)
     args.spec_version = 1 if args.disable_overlap_schedule else 2
     if args.max_running_requests is None:
         args.max_running_requests = 48
     return args
+
+
+def _resolve_shapes(
+    args: ServerArgs, configured: TreeShape, page_size: int, backend: str
+) -> list[tuple[int, int, int]]:
+    """The shapes rounds may use: the configured one, or every adaptive candidate (memory is sized for all)."""
+    args.speculative_adaptive = bool(args.speculative_adaptive or args.speculative_adaptive_debug_cycle)
+    if not args.speculative_adaptive:
+        if args.speculative_adaptive_config or args.speculative_adaptive_calibration:
+            raise ArgumentError(
+                "--speculative-adaptive-config / --speculative-adaptive-calibration need --speculative-adaptive"
+            )
+        return [(configured.steps, configured.topk, configured.draft_tokens)]
+    if args.speculative_debug_fixed_accept_len is not None:
+        raise ArgumentError(
+            "--speculative-debug-fixed-accept-len fixes one shape; it cannot be combined with "
+            "--speculative-adaptive (pass --no-speculative-adaptive)"
+        )
+    if args.speculative_adaptive_config:
+        try:
+            cands = AdaptiveConfig.load(args.speculative_adaptive_config, configured).candidates
+        except (OSError, ValueError, TypeError) as e:
+            raise ArgumentError(f"--speculative-adaptive-config: {e}") from None
+    else:
+        cands = default_candidates(configured)
+    if page_size > 1 and not get_backend_class(backend).supports_paged_tree_draft:
+        wide = [c.label for c in cands if c.topk > 1]
+        if wide:
+            raise ArgumentError(
+                f"--speculative-adaptive-config candidates {wide} have topk > 1 with --page-size {page_size}: "
+                f"--attention-backend {backend} has no paged tree draft path"
+            )
+    logger.info("adaptive speculation over %s and off", ", ".join(c.label for c in cands))
+    return [(c.steps, c.topk, c.draft_tokens) for c in cands]

@@ -18,10 +18,12 @@ from treepage.arg_groups import dtype_choice, resolve_dtype, resolve_server_args
 from treepage.arg_groups.speculative import apply_default_server_speculation
 from treepage.core import Req, SamplingParams, new_rid
 from treepage.managers.scheduler import Scheduler
-from treepage.managers.tokenizer import eos_token_ids, load_tokenizer
+from treepage.managers.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
 from treepage.managers.worker_factory import build_worker
 from treepage.models.loader import default_model_path, load_config
 from treepage.server_args import ServerArgs
+from treepage.speculative.calibrate import load_or_calibrate
+from treepage.speculative.eagle_worker import EagleWorker
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +82,24 @@ class Engine:
         self.context_len = self.worker.pools.context_len
         self.eos_ids = eos_token_ids(self.tokenizer, config)
         self.model_name = args.served_model_name or args.model_path
+        if args.speculative_adaptive and not args.speculative_adaptive_debug_cycle:
+            assert isinstance(self.worker, EagleWorker)
+            table = load_or_calibrate(self.worker, args, dtype, self._calibration_prompt())
+            self.worker.set_cost_table(table)
         self.scheduler = Scheduler(args, self.worker, self.tokenizer, self.eos_ids)
         self._thread = threading.Thread(
             target=self.scheduler.run_forever, name="treepage-scheduler", daemon=True
         )
         self._thread.start()
         self.start_time = time.time()
+
+    def _calibration_prompt(self) -> list[int]:
+        """A general chat question: the accept lengths it yields are the adaptive policy's prior."""
+        question = "Explain in a few sentences how a bicycle stays upright while it is moving."
+        try:
+            return apply_chat_template(self.tokenizer, [{"role": "user", "content": question}])
+        except ValueError:
+            return list(self.tokenizer.encode(question))
 
     # ---- requests ----------------------------------------------------------------------------------------------
     @property
@@ -255,6 +269,7 @@ class Engine:
             "spec_version": a.spec_version,
             "avg_spec_accept_length": self.avg_spec_accept_length(),
             "spec_debug": self.worker.debug.to_dict() if hasattr(self.worker, "debug") else None,
+            "speculative_adaptive": self.adaptive_report(),
             "num_running_reqs": st.num_running,
             "num_waiting_reqs": st.num_waiting,
             "gen_throughput": st.gen_throughput,
@@ -265,6 +280,11 @@ class Engine:
         """Tokens emitted per verify round (accepted drafts + the bonus token), over the server's lifetime."""
         dbg = getattr(self.worker, "debug", None)
         return dbg.emitted / dbg.rounds if dbg is not None and dbg.rounds else 0.0
+
+    def adaptive_report(self) -> dict | None:
+        """Rounds per shape (and OFF), the accept-length estimates and the cost table, when the shape adapts."""
+        policy = getattr(self.worker, "policy", None)
+        return policy.snapshot() if policy is not None else None
 
     def flush_cache(self, timeout: float = 10.0) -> bool:
         """Drop the prefix cache (on the scheduler thread); False when requests are in flight."""

@@ -313,6 +313,35 @@ class _EngineCollector:
             "Prefix-cache hit rate over the server's lifetime.",
             value=st.cache_hit_tokens / max(st.cache_query_tokens, 1),
         )
+        yield from self._adaptive()
+
+    def _adaptive(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """Adaptive speculation: rounds per shape (and off), accept estimates, the calibration table."""
+        rep = self.engine.adaptive_report()
+        if rep is None:
+            return
+        rounds = CounterMetricFamily(
+            "treepage:spec_adaptive_rounds", "Decode rounds run with each tree shape.", labels=["shape"]
+        )
+        for shape, n in rep["rounds"].items():
+            rounds.add_metric([shape], n)
+        yield rounds
+        if "accept_estimate" not in rep:
+            return
+        accept = GaugeMetricFamily(
+            "treepage:spec_adaptive_accept_estimate", "Tokens per request-round expected.", labels=["shape"]
+        )
+        for shape, a in rep["accept_estimate"].items():
+            accept.add_metric([shape], a)
+        yield accept
+        cost = GaugeMetricFamily(
+            "treepage:spec_adaptive_round_seconds", "Calibrated seconds per round.", labels=["shape", "batch"]
+        )
+        for shape, by_batch in rep["calibration"]["round_seconds"].items():
+            for batch, t in by_batch.items():
+                cost.add_metric([shape, str(batch)], t)
+        yield cost
+
 
 
 # ---- server info -------------------------------------------------------------------------------------------------

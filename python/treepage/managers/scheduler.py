@@ -24,7 +24,7 @@ from treepage.managers.decode_planner import DecodePlanner
 from treepage.managers.output import OutputProcessor
 from treepage.mem_cache.allocator import MemoryLeakError
 from treepage.mem_cache.radix_cache import RadixCache
-from treepage.mem_cache.sizing import RowWidthError, get_alloc_reserve_per_decode
+from treepage.mem_cache.sizing import RowWidthError, get_alloc_reserve_per_decode, max_shape_desc
 from treepage.model_executor.worker import Worker
 from treepage.server_args import ServerArgs
 
@@ -57,11 +57,7 @@ class Scheduler:
         self.allocator = pools.allocator
         self.req_pool = pools.req_to_token_pool
         reserve = get_alloc_reserve_per_decode(args, overlap=args.spec_version == 2)
-        spec_desc = (
-            args.speculative_eagle_topk or 1,
-            args.speculative_num_steps or 0,
-            args.speculative_num_draft_tokens or 0,
-        )
+        spec_desc = max_shape_desc(args)
         self.cache = RadixCache(
             self.allocator,
             args.page_size,

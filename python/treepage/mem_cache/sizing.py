@@ -2,7 +2,9 @@
 rows are, and growing rows before a round, under the always-on row-width check.
 
 `args` is any object with speculative_algorithm (None or "NONE" = off), page_size, speculative_eagle_topk,
-speculative_num_steps, speculative_num_draft_tokens and optionally disable_overlap_schedule.
+speculative_num_steps, speculative_num_draft_tokens and optionally disable_overlap_schedule and
+speculative_shapes. With adaptive speculation a round may use any of speculative_shapes [(S, K, N), ...], and
+a request may switch shape between any two rounds, so every size here is the max over them.
 """
 
 from __future__ import annotations
@@ -29,25 +31,42 @@ def speculation_enabled(args: Any) -> bool:
     return algo is not None and str(algo).upper() != "NONE"
 
 
-def _spec(args: Any) -> tuple[int, int, int, int]:
-    return (
-        int(args.page_size),
-        int(args.speculative_eagle_topk),
+def spec_shapes(args: Any) -> list[tuple[int, int, int]]:
+    """Every (steps, topk, draft tokens) a round may use: the resolved candidates, else the configured shape."""
+    shapes = list(getattr(args, "speculative_shapes", None) or [])
+    configured = (
         int(args.speculative_num_steps),
+        int(args.speculative_eagle_topk),
         int(args.speculative_num_draft_tokens),
     )
+    return shapes or [configured]
 
 
-def get_alloc_len_per_decode(args: Any) -> int:
-    """KV length one request may touch in one round (draft branches or the verify window, whichever is larger)."""
-    if not speculation_enabled(args):
-        return 1
-    P, K, S, N = _spec(args)
+def alloc_len_for_shape(page_size: int, topk: int, num_steps: int, num_draft_tokens: int) -> int:
+    """KV length one round of this shape may touch (draft branches or the verify window, whichever is larger)."""
+    P, K, S, N = page_size, topk, num_steps, num_draft_tokens
     if P == 1 or K == 1:
         return max(S * K, N)
     # Each branch starts at in-page offset L mod P <= P - 1 and spans whole pages.
     nnp_max = ceil_div(P - 1 + S, P)
     return max(nnp_max * P * K, N)
+
+
+def get_alloc_len_per_decode(args: Any) -> int:
+    """KV length one request may touch in one round: the max over the shapes a round may use (an off round of
+    adaptive speculation touches one position, less than any shape)."""
+    if not speculation_enabled(args):
+        return 1
+    P = int(args.page_size)
+    return max(alloc_len_for_shape(P, K, S, N) for S, K, N in spec_shapes(args))
+
+
+def max_shape_desc(args: Any) -> tuple[int, int, int]:
+    """(topk, steps, draft tokens), each the max over the shapes, for the row-width error message."""
+    if not speculation_enabled(args):
+        return (1, 0, 0)
+    shapes = spec_shapes(args)
+    return (max(k for _, k, _ in shapes), max(s for s, _, _ in shapes), max(n for _, _, n in shapes))
 
 
 def get_alloc_reserve_per_decode(args: Any, overlap: bool = True) -> int:
@@ -66,7 +85,8 @@ def get_row_width_extra(args: Any) -> int:
     """Row headroom past context_len: the 2x reserve plus the page round-up of nxt, for v1 and v2 alike."""
     if not speculation_enabled(args):
         return 4
-    P, _, _, N = _spec(args)
+    P = int(args.page_size)
+    N = max(n for _, _, n in spec_shapes(args))
     if os.environ.get(NARROW_ROWS_ENV) == "1":
         return 4 + N  # the old, too narrow headroom: reproduces the row overflow on purpose
     return max(4 + N, 2 * get_alloc_len_per_decode(args) + P - 1)

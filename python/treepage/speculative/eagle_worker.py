@@ -2,24 +2,36 @@
 
 One round per request batch (docs/design.md, "One round"). The draft KV uses the holey per-branch layout of
 draft_layout.py (degrading to the contiguous layout at P == 1 or K == 1); the target verifies the N tree tokens
-in the contiguous window [L, L+N) of the same rows.
+in the contiguous window [L, L+N) of the same rows. Every round takes its shape (S, K, N) as an argument: with
+adaptive speculation (docs/design.md, "Adaptive speculation") a policy picks it per round, and OFF runs a plain
+one-token decode whose draft-side catch-up is deferred to the next speculative round.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from treepage.core import Req, StepOutput
 from treepage.layers.forward_batch import CaptureHidden, ForwardMode
-from treepage.layers.sampler import sample_last
+from treepage.layers.sampler import sample, sample_last
 from treepage.model_executor.model_runner import ModelRunner
 from treepage.model_executor.worker import Worker
 from treepage.server_args import ServerArgs
 from treepage.speculative import draft_layout as dl
+from treepage.speculative.adaptive import (
+    AdaptiveConfig,
+    AdaptivePolicy,
+    CostTable,
+    CyclePolicy,
+    ShapePolicy,
+    TreeShape,
+)
 from treepage.speculative.eagle_tree import (
     EagleTree,
     build_tree,
@@ -36,6 +48,8 @@ from treepage.speculative.eagle_verify import (
 
 logger = logging.getLogger(__name__)
 
+OFF_DRAFT_SYNC_ENV = "TREEPAGE_OFF_DRAFT_SYNC"
+
 
 @dataclass
 class SpecState:
@@ -45,9 +59,14 @@ class SpecState:
 
     committed: int
     root: int
-    topk_p: torch.Tensor  # [K]
-    topk_index: torch.Tensor  # [K] target ids
+    topk_p: torch.Tensor  # [K_max] over the shapes; a round of topk K reads the first K (sorted descending)
+    topk_index: torch.Tensor  # [K_max] target ids
     hidden: torch.Tensor  # [H] draft recurrent state of the row that consumed the root
+    # Off rounds since the last draft extend: the tokens they emitted and the target features of their
+    # positions. The draft consumes them (one extend) before the next speculative round; until then topk_p,
+    # topk_index and hidden are those of position committed - len(catchup_tokens) - 1.
+    catchup_tokens: list[int] = field(default_factory=list)
+    catchup_features: list[torch.Tensor] = field(default_factory=list)
 
 
 class SpecDebugCounters:
@@ -83,14 +102,49 @@ class EagleWorker(Worker):
         K, S, N = args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens
         assert K and S and N, "resolve_server_args first"
         self.P = target.page_size
-        self.K: int = K
-        self.S: int = S
-        self.N: int = N
+        self.shape = TreeShape(S, K, N)
+        self.shapes = [TreeShape(*x) for x in args.speculative_shapes] or [self.shape]
+        self.K_max = max(s.topk for s in self.shapes)  # the draft extend keeps this many top candidates
         self.fixed_accept = args.speculative_debug_fixed_accept_len
         kind = getattr(draft.model, "feature_kind", "")  # a STANDALONE draft (plain Llama) reads no features
         self.capture = {"last": CaptureHidden.LAST, "aux": CaptureHidden.AUX}.get(kind, CaptureHidden.NONE)
         self.states: dict[str, SpecState] = {}
         self.debug = SpecDebugCounters()
+        self.off_draft_sync = os.environ.get(OFF_DRAFT_SYNC_ENV, "lazy")
+        if self.off_draft_sync not in ("lazy", "eager"):
+            raise ValueError(f"{OFF_DRAFT_SYNC_ENV} must be 'lazy' or 'eager', got {self.off_draft_sync!r}")
+        # None: every round uses the configured shape. Adaptive speculation sets an AdaptivePolicy once the
+        # cost table is measured (set_cost_table); the debug cycle needs no table.
+        self.adaptive_config: AdaptiveConfig | None = None
+        self.policy: ShapePolicy | None = None
+        if args.speculative_adaptive:
+            path = args.speculative_adaptive_config  # its candidates were resolved into self.shapes
+            self.adaptive_config = AdaptiveConfig.load(path, self.shape) if path else AdaptiveConfig(self.shapes)
+            self.adaptive_config.candidates = self.shapes
+            if args.speculative_adaptive_debug_cycle:
+                self.policy = CyclePolicy(self.shapes)
+
+    def set_cost_table(self, table: CostTable) -> None:
+        """Start adapting: from now on every round's shape comes from the policy over this table."""
+        assert self.adaptive_config is not None, "adaptive speculation is off"
+        self.policy = AdaptivePolicy(self.adaptive_config, table)
+
+    def next_shape(self, batch_size: int) -> TreeShape:
+        return self.policy.choose(batch_size) if self.policy is not None else self.shape
+
+    def observe(self, shape: TreeShape, outs: list[StepOutput], seconds: float) -> None:
+        """Feed a finished round's accept lengths and wall time to the policy (on the scheduler thread)."""
+        if self.policy is not None:
+            accept = [len(o.tokens) for o in outs if o.verified and o.tokens]
+            self.policy.observe(shape, accept, len(outs), seconds)
+
+    def timed_round(
+        self, reqs: list[Req], allocated: list[int], shape: TreeShape
+    ) -> tuple[list[StepOutput], float]:
+        """run_round and its wall time (the round ends with host copies of its tokens, so a GPU is synced)."""
+        t0 = time.perf_counter()
+        outs = self.run_round(reqs, allocated, shape)
+        return outs, time.perf_counter() - t0
 
     # ---- the worker contract ----------------------------------------------------------------------------------
     def release(self, rids: list[str]) -> None:
@@ -101,7 +155,10 @@ class EagleWorker(Worker):
         """Rounds are synchronous."""
 
     def decode(self, reqs: list[Req]) -> list[StepOutput]:
-        return self.run_round(reqs, [r.allocated_len for r in reqs])
+        shape = self.next_shape(len(reqs))
+        outs, seconds = self.timed_round(reqs, [r.allocated_len for r in reqs], shape)
+        self.observe(shape, outs, seconds)
+        return outs
 
     @torch.inference_mode()
     def prefill(self, reqs: list[Req], ends: list[int]) -> list[StepOutput]:
@@ -119,9 +176,9 @@ class EagleWorker(Worker):
         return [StepOutput([t] if t is not None else [], e) for t, e in zip(first, ends)]
 
     # ---- draft model helpers ----------------------------------------------------------------------------------
-    def _draft_topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-K draft probabilities and their target token ids."""
-        p, idx = torch.softmax(logits.float(), dim=-1).topk(self.K, dim=-1)
+    def _draft_topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k draft probabilities and their target token ids."""
+        p, idx = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
         mapper = getattr(self.draft.model, "map_to_target_ids", None)
         return p, (mapper(idx) if mapper else idx)
 
@@ -132,17 +189,69 @@ class EagleWorker(Worker):
         fb = self.draft.extend_batch([r.row for r in reqs], tokens, prefix, input_hidden=features)
         out = self.draft.forward(fb)
         assert out.logits is not None and fb.logits_indices is not None
-        p, idx = self._draft_topk(out.logits)
+        p, idx = self._draft_topk(out.logits, self.K_max)
         last = out.hidden[fb.logits_indices]
         for i, r in enumerate(reqs):
             committed = prefix[i] + len(tokens[i])
             self.states[r.rid] = SpecState(committed, tokens[i][-1], p[i], idx[i], last[i])
 
     # ---- one round ----------------------------------------------------------------------------------------------
+    def _catch_up(self, reqs: list[Req]) -> None:
+        """One draft extend over the tokens of the off rounds since each request's last one (docs/design.md,
+        "Adaptive speculation": cheaper than a one-token extend per off round)."""
+        lag = [r for r in reqs if self.states[r.rid].catchup_tokens]
+        if not lag:
+            return
+        states = [self.states[r.rid] for r in lag]
+        tokens = [s.catchup_tokens for s in states]
+        prefix = [s.committed - len(t) for s, t in zip(states, tokens)]
+        feats = None
+        if self.capture != CaptureHidden.NONE:
+            feats = torch.stack([f for s in states for f in s.catchup_features])
+        self._draft_extend(lag, tokens, prefix, feats)
+
     @torch.inference_mode()
-    def run_round(self, reqs: list[Req], allocated: list[int]) -> list[StepOutput]:
-        """`allocated`: each row's allocation as the scheduler reserved it for this round."""
-        K, S, N, P = self.K, self.S, self.N, self.P
+    def run_off_round(self, reqs: list[Req], allocated: list[int]) -> list[StepOutput]:
+        """OFF: one target decode of each root at position L, exactly as the plain worker would. The draft
+        catches up lazily before the next speculative round (SpecState.catchup_tokens), or under
+        TREEPAGE_OFF_DRAFT_SYNC=eager with a one-token draft extend now (benchmark/bench_off_round.py)."""
+        states = [self.states[r.rid] for r in reqs]
+        L = [s.committed for s in states]
+        bad = [(r.rid, n + 1, a) for r, n, a in zip(reqs, L, allocated) if n + 1 > a]
+        if bad:
+            raise RuntimeError(f"off round would touch positions past the allocation: {bad[:4]}")
+        fb = self.runner.extend_batch(
+            [r.row for r in reqs],
+            [[s.root] for s in states],
+            L,
+            ForwardMode.DECODE,
+            capture_hidden=self.capture,
+        )
+        out = self.runner.forward(fb)
+        assert out.logits is not None
+        toks = sample(out.logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
+        if self.off_draft_sync == "eager":
+            self._draft_extend(reqs, [[t] for t in toks], L, out.features)
+            return [StepOutput([t], n + 1) for t, n in zip(toks, L)]
+        for i, (s, t) in enumerate(zip(states, toks)):
+            s.catchup_tokens.append(t)
+            if out.features is not None:
+                s.catchup_features.append(out.features[i])
+            s.committed += 1
+            s.root = t
+        return [StepOutput([t], n + 1) for t, n in zip(toks, L)]
+
+    @torch.inference_mode()
+    def run_round(
+        self, reqs: list[Req], allocated: list[int], shape: TreeShape | None = None
+    ) -> list[StepOutput]:
+        """`allocated`: each row's allocation as the scheduler reserved it for this round; `shape`: this round's
+        tree (None: the configured one; OFF: a plain decode)."""
+        shape = shape or self.shape
+        if shape.is_off:
+            return self.run_off_round(reqs, allocated)
+        self._catch_up(reqs)
+        K, S, N, P = shape.topk, shape.steps, shape.draft_tokens, self.P
         dev = self.device
         states = [self.states[r.rid] for r in reqs]
         B = len(reqs)
@@ -161,8 +270,8 @@ class EagleWorker(Worker):
             dl.duplicate_prefix_tail_to_draft_branches(self.draft.kv_pool, rtt, rows, layout)
 
         # Draft: S steps grow the dynamic tree (S - 1 forwards; step 0 comes from the last draft extend).
-        topk_p = torch.stack([s.topk_p for s in states])
-        topk_index = torch.stack([s.topk_index for s in states])
+        topk_p = torch.stack([s.topk_p[:K] for s in states])
+        topk_index = torch.stack([s.topk_index[:K] for s in states])
         hidden0 = torch.stack([s.hidden for s in states])
         state, ids, hidden = draft_step_first(topk_p, topk_index, hidden0)
         for i in range(1, S):
@@ -178,7 +287,7 @@ class EagleWorker(Worker):
             out = self.draft.forward(fb)
             assert out.logits is not None
             h = out.hidden
-            p, idx = self._draft_topk(out.logits)
+            p, idx = self._draft_topk(out.logits, K)
             if i < S - 1:
                 ids, hidden = draft_step_next(i, state, p, idx, h)
                 if K > 1 and state.last_parent_rows is not None:
@@ -204,7 +313,7 @@ class EagleWorker(Worker):
         verified = self.runner.forward(fb)
         logits, features = verified.logits, verified.features
         assert logits is not None
-        res = self._verify(reqs, tree, logits)
+        res = self._verify(reqs, tree, logits, S)
         a = res.accept_len
         a_cpu = a.tolist()
 
@@ -244,25 +353,25 @@ class EagleWorker(Worker):
         dst = out_loc[:, :, :step]
         self.draft.kv_pool.move_kv_cache(dst.reshape(-1), src.reshape(-1))
 
-    def _verify(self, reqs: list[Req], tree: EagleTree, logits: torch.Tensor) -> VerifyResult:
+    def _verify(self, reqs: list[Req], tree: EagleTree, logits: torch.Tensor, S: int) -> VerifyResult:
         if self.fixed_accept is not None:
-            return self._fixed_accept(tree, logits)
+            return self._fixed_accept(tree, logits, S)
         if all(r.sampling.greedy for r in reqs):
-            return verify_tree_greedy(tree, logits, self.S)
+            return verify_tree_greedy(tree, logits, S)
         dev = logits.device
         sp = [r.sampling for r in reqs]
         temps = torch.tensor([0.0 if s.greedy else s.temperature for s in sp], device=dev)
         top_ps = torch.tensor([s.top_p for s in sp], device=dev)
         top_ks = torch.tensor([s.top_k for s in sp], device=dev)
         gen = next((r.generator for r in reqs if r.generator is not None), None)
-        return verify_tree_sampling(tree, logits, temps, top_ps, top_ks, self.S, generator=gen)
+        return verify_tree_sampling(tree, logits, temps, top_ps, top_ks, S, generator=gen)
 
-    def _fixed_accept(self, tree: EagleTree, logits: torch.Tensor) -> VerifyResult:
+    def _fixed_accept(self, tree: EagleTree, logits: torch.Tensor, S: int) -> VerifyResult:
         """Debug knob: accept the first-child chain to a fixed depth regardless of the target."""
         B, N = tree.draft_tokens.shape
         want = self.fixed_accept
         assert want is not None
-        nodes = torch.full((B, self.S + 1), -1, dtype=torch.int64, device=logits.device)
+        nodes = torch.full((B, S + 1), -1, dtype=torch.int64, device=logits.device)
         nodes[:, 0] = 0
         cur = torch.zeros(B, dtype=torch.int64, device=logits.device)
         alen = torch.ones(B, dtype=torch.int64, device=logits.device)
@@ -274,7 +383,7 @@ class EagleWorker(Worker):
             alen = torch.where(ok & (alen == d), alen + 1, alen)
         argmax = logits.view(B, N, -1).argmax(-1)
         predict = torch.full_like(nodes, -1)
-        for d in range(self.S + 1):
+        for d in range(S + 1):
             node = nodes[:, d]
             tok = tree.draft_tokens.gather(1, node.clamp(min=0)[:, None])[:, 0]
             bonus = argmax.gather(1, node.clamp(min=0)[:, None])[:, 0]

@@ -2,7 +2,8 @@
 
 The scheduler therefore allocates round r+1 from a committed length that lags by up to one verify; the 2x
 reserve of mem_cache/sizing.py absorbs that lag (docs/design.md, "Memory model"). Rounds run strictly in order
-on one forward thread, each reading the per-request state the previous round left. Whenever the batch changes
+on one forward thread, each reading the per-request state the previous round left; each submission carries its
+round's shape, chosen on the scheduler thread (adaptive speculation). Whenever the batch changes
 (a request finishes, is aborted or retracted, or new ones are prefilled) the pipeline is drained first, so no
 memory is freed or reused under a round that is still running.
 """
@@ -10,11 +11,20 @@ memory is freed or reused under a round that is still running.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from treepage.core import Req, StepOutput
 from treepage.model_executor.model_runner import ModelRunner
 from treepage.server_args import ServerArgs
+from treepage.speculative.adaptive import TreeShape
 from treepage.speculative.eagle_worker import EagleWorker
+
+
+@dataclass
+class _Inflight:
+    rids: list[str]
+    shape: TreeShape
+    future: Future[tuple[list[StepOutput], float]]
 
 
 class EagleWorkerV2(EagleWorker):
@@ -23,27 +33,31 @@ class EagleWorkerV2(EagleWorker):
     def __init__(self, args: ServerArgs, target: ModelRunner, draft: ModelRunner) -> None:
         super().__init__(args, target, draft)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="treepage-forward")
-        self.inflight: tuple[list[str], Future[list[StepOutput]]] | None = None
+        self.inflight: _Inflight | None = None
         self.pending: dict[str, StepOutput] = {}  # results drained but not yet handed to the scheduler
 
     def drain(self) -> None:
         if self.inflight is None:
             return
-        rids, fut = self.inflight
-        self.inflight = None
-        self.pending.update(zip(rids, fut.result()))
+        done, self.inflight = self.inflight, None
+        outs, seconds = done.future.result()
+        self.observe(done.shape, outs, seconds)
+        self.pending.update(zip(done.rids, outs))
 
     def decode(self, reqs: list[Req]) -> list[StepOutput]:
         rids = [r.rid for r in reqs]
-        if self.pending or (self.inflight is not None and self.inflight[0] != rids):
+        if self.pending or (self.inflight is not None and self.inflight.rids != rids):
             self.drain()
             empty = [StepOutput([], r.kv_committed_len) for r in reqs]  # new since the drained round
             return [self.pending.pop(r.rid, e) for r, e in zip(reqs, empty)]
-        fut = self.executor.submit(self.run_round, list(reqs), [r.allocated_len for r in reqs])
-        prev, self.inflight = self.inflight, (rids, fut)
+        shape = self.next_shape(len(reqs))
+        fut = self.executor.submit(self.timed_round, list(reqs), [r.allocated_len for r in reqs], shape)
+        prev, self.inflight = self.inflight, _Inflight(rids, shape, fut)
         if prev is None:  # the first round of a pipeline: its tokens arrive with the next call
             return [StepOutput([], r.kv_committed_len) for r in reqs]
-        return prev[1].result()
+        outs, seconds = prev.future.result()
+        self.observe(prev.shape, outs, seconds)
+        return outs
 
     def prefill(self, reqs: list[Req], ends: list[int]) -> list[StepOutput]:
         self.drain()

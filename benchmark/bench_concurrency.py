@@ -1,0 +1,183 @@
+"""The default server (adaptive speculation) against speculation off and against every fixed candidate shape,
+all real `launch_server` processes driven by the official openai client with streaming, side by side in one run,
+at several concurrency levels.
+
+    python benchmark/bench_concurrency.py [--concurrency 1 2 4 8] [--requests 2] [--max-tokens 64]
+
+Every server gets the same general chat questions (held-out topics the shipped heads never saw), `c` streams in
+flight at a time, `max(--requests, c)` requests per level, greedy, exactly --max-tokens tokens each (ignore_eos).
+The order of the servers alternates between levels. Output tok/s = completion tokens / wall time of the level;
+ITL = the gaps between streamed chunks of a request (a speculative round may deliver several tokens in one
+chunk, as in SGLang's bench_serving). Results: benchmark/results/<--name>.json, a markdown table and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "scripts"))
+sys.path.insert(0, str(HERE.parent / "test"))
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+from common import ensure_passive_omp, machine_info, machine_line, print_table, write_results  # noqa: E402
+from make_eagle_data import heldout_questions  # noqa: E402
+
+from server_utils import launch_server  # noqa: E402
+from treepage.arg_groups.speculative import DEFAULT_SERVER_TREE  # noqa: E402
+from treepage.speculative.adaptive import TreeShape, default_candidates  # noqa: E402
+
+DOCS = HERE.parent / "docs"
+
+
+def servers() -> dict[str, list[str]]:
+    """Name -> launch flags. Fixed shapes use the default server's model, head and pages with explicit flags
+    (which turn adaptation off); "off" keeps the 64-token pages so only speculation differs."""
+    out: dict[str, list[str]] = {
+        "default (adaptive)": [],
+        "off": ["--speculative-algorithm", "NONE", "--page-size", "64"],
+    }
+    for c in default_candidates(TreeShape(*DEFAULT_SERVER_TREE)):
+        out[f"fixed {c.label}"] = [
+            "--speculative-num-steps", str(c.steps), "--speculative-eagle-topk", str(c.topk),
+            "--speculative-num-draft-tokens", str(c.draft_tokens),
+        ]  # fmt: skip
+    return out
+
+
+def stream_one(client: openai.OpenAI, question: str, max_tokens: int) -> dict:
+    """One streamed chat completion: completion tokens, and the arrival time of every content chunk."""
+    t0 = time.perf_counter()
+    arrivals: list[float] = []
+    tokens = 0
+    stream = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": question}],
+        temperature=0,
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    for chunk in stream:
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        if chunk.choices and chunk.choices[0].delta.content:
+            arrivals.append(time.perf_counter())
+    return {"tokens": tokens, "ttft": arrivals[0] - t0 if arrivals else None, "arrivals": arrivals}
+
+
+def run_level(base_url: str, questions: list[str], concurrency: int, max_tokens: int) -> dict:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=900, max_retries=0)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        done = list(pool.map(lambda q: stream_one(client, q, max_tokens), questions))
+    seconds = time.perf_counter() - t0
+    gaps = [b - a for d in done for a, b in zip(d["arrivals"], d["arrivals"][1:])]
+    tokens = sum(d["tokens"] for d in done)
+    return {
+        "requests": len(done),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tok_per_s": round(tokens / seconds, 3),
+        "median_itl_ms": round(statistics.median(gaps) * 1e3, 1) if gaps else None,
+        "median_ttft_ms": round(statistics.median(d["ttft"] for d in done if d["ttft"] is not None) * 1e3, 1),
+    }
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = [int(c) for c in results["runs"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in results["servers"]:
+        ys = [results["runs"][str(c)][name]["tok_per_s"] for c in levels]
+        style = {"linewidth": 3, "color": "black"} if name.startswith("default") else {"linestyle": "--"}
+        ax.plot(levels, ys, marker="o", label=name, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("output tok/s")
+    ax.set_title("Default (adaptive) vs off vs fixed shapes, one run")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--requests", type=int, default=2, help="requests per level (at least the concurrency)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--name", default="concurrency_cpu")
+    ap.add_argument("--plot", default=str(DOCS / "bench_concurrency.png"))
+    ap.add_argument("--servers", nargs="+", default=None, help="a subset of the server names (smoke runs)")
+    args = ap.parse_args(argv)
+    ensure_passive_omp()
+
+    flags = {k: v for k, v in servers().items() if args.servers is None or k in args.servers}
+    questions = heldout_questions(max(max(args.concurrency), args.requests) + 1)
+    recorded = vars(args) | {"plot": os.path.relpath(args.plot, HERE.parent)}
+    results: dict = {"machine": machine_info(), "args": recorded, "servers": flags, "runs": {}}
+    with ExitStack() as stack, tempfile.TemporaryDirectory() as logs:
+        os.environ["TREEPAGE_CACHE_DIR"] = logs  # the default server calibrates at start-up, as on a fresh machine
+        urls = {}
+        for i, (name, extra) in enumerate(flags.items()):  # one at a time: start-up (and calibration) alone
+            urls[name] = stack.enter_context(launch_server(extra, Path(logs) / f"{i}.log", startup_timeout=600))
+        for u in urls.values():
+            run_level(u, questions[-1:], 1, 8)  # warm-up
+        for j, c in enumerate(args.concurrency):
+            qs = questions[: max(args.requests, c)]
+            order = list(urls) if j % 2 == 0 else list(urls)[::-1]
+            results["runs"][str(c)] = {name: run_level(urls[name], qs, c, args.max_tokens) for name in order}
+        info = httpx.get(f"{urls['default (adaptive)']}/get_server_info", timeout=10).json()
+        results["default_server_info"] = {
+            k: info.get(k) for k in ("dtype", "page_size", "spec_version", "speculative_adaptive")
+        }
+        key = (results["default_server_info"]["speculative_adaptive"] or {}).get("calibration", {}).get("key", {})
+        for k in ("model", "draft"):  # no machine paths in committed results
+            if k in key:
+                key[k] = os.path.basename(key[k])
+        results["fixed_accept_length"] = {
+            name: httpx.get(f"{u}/get_server_info", timeout=10).json().get("avg_spec_accept_length")
+            for name, u in urls.items()
+        }
+
+    rows = []
+    for c, run in results["runs"].items():
+        best_name = max((n for n in run if not n.startswith("default")), key=lambda n: run[n]["tok_per_s"])
+        ratio = run["default (adaptive)"]["tok_per_s"] / run[best_name]["tok_per_s"]
+        run["default_vs_best"] = {"best": best_name, "ratio": round(ratio, 3)}
+        for name in flags:
+            r = run[name]
+            rows.append([c, name, r["tok_per_s"], r["median_itl_ms"], r["median_ttft_ms"]])
+        rows.append([c, f"**default / best ({best_name})**", f"**{ratio:.3f}**", "", ""])
+    print(machine_line(results["machine"]))
+    print_table(
+        f"Output tok/s and median ITL over HTTP (streaming), {args.max_tokens} tokens per request, "
+        f"max({args.requests}, c) requests per level",
+        ["concurrency", "server", "tok/s", "median ITL ms", "median TTFT ms"],
+        rows,
+    )
+    print("adaptive rounds:", (results["default_server_info"]["speculative_adaptive"] or {}).get("rounds"))
+    plot(results, Path(args.plot))
+    print(f"results: {os.path.relpath(write_results(args.name, results))}; plot: {os.path.relpath(args.plot)}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

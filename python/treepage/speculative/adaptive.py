@@ -1,0 +1,367 @@
+"""Adaptive tree speculation (`--speculative-adaptive`, docs/design.md "Adaptive speculation"): the candidate
+shapes, the measured cost table, and the per-round policy that picks the shape with the highest expected output
+tokens per second for the current batch.
+
+Pure: nothing here runs a model. `speculative/calibrate.py` measures the table on the machine; the workers ask
+`choose(batch_size)` before every round and report what the round accepted with `observe`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import math
+import os
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, order=True)
+class TreeShape:
+    """(steps S, topk K, draft tokens N); OFF (S == 0) is a plain one-token decode inside the speculative worker."""
+
+    steps: int
+    topk: int
+    draft_tokens: int
+
+    @property
+    def is_off(self) -> bool:
+        return self.steps == 0
+
+    @property
+    def label(self) -> str:
+        return "off" if self.is_off else f"{self.steps}x{self.topk}x{self.draft_tokens}"
+
+    @staticmethod
+    def parse(label: str) -> TreeShape:
+        if label == "off":
+            return OFF
+        s, k, n = (int(x) for x in label.split("x"))
+        return TreeShape(s, k, n)
+
+
+OFF = TreeShape(0, 1, 1)
+TIME_PRIOR_ROUNDS = 2.0  # the calibrated seconds count as this many served rounds
+
+
+def max_tree_nodes(steps: int, topk: int) -> int:
+    """Draft nodes a round can produce: K at step 0, K*K at each later step."""
+    return topk + (steps - 1) * topk * topk
+
+
+def check_shape(shape: TreeShape) -> str | None:
+    """Why a speculative shape is invalid, or None."""
+    S, K, N = shape.steps, shape.topk, shape.draft_tokens
+    if S < 1 or K < 1:
+        return f"steps and topk must be >= 1, got {shape.label}"
+    if K == 1 and N != S + 1:
+        return f"topk 1 makes the tree a chain: draft tokens must be steps + 1, got {shape.label}"
+    if not 2 <= N <= 1 + max_tree_nodes(S, K):
+        return f"draft tokens must be in 2..{1 + max_tree_nodes(S, K)} for steps {S}, topk {K}, got {shape.label}"
+    return None
+
+
+def default_candidates(configured: TreeShape) -> list[TreeShape]:
+    """From the configured shape downwards: halve topk (one step fewer), then a chain, then a single draft.
+
+    (4, 4, 16) gives (4, 4, 16), (3, 2, 6), (3, 1, 4), (1, 1, 2); OFF is added by the policy.
+    """
+    out = [configured]
+    s = max(configured.steps - 1, 1)
+    k = configured.topk // 2
+    while k > 1:
+        out.append(TreeShape(s, k, min(configured.draft_tokens, s * k)))
+        k //= 2
+    out.append(TreeShape(s, 1, s + 1))
+    out.append(TreeShape(1, 1, 2))
+    return list(dict.fromkeys(out))  # in order, without repeats
+
+
+@dataclass
+class AdaptiveConfig:
+    """What `--speculative-adaptive-config FILE` may set (JSON object with these keys, all optional)."""
+
+    candidates: list[TreeShape]
+    include_off: bool = True
+    hysteresis: float = 0.05  # switch only when the best shape beats the current one by this fraction
+    ema: float = 0.1  # weight of one round in the accept-length estimate
+    prior_rounds: float = 4.0  # the calibration prior counts as this many rounds before the EMA takes over
+    probe_every: int = 32  # rounds between probes of the best other candidate (refreshes its estimates)
+    explore_rounds: int = 4  # at start-up each candidate serves this many rounds, so served times exist
+
+    @staticmethod
+    def load(path: str, configured: TreeShape) -> AdaptiveConfig:
+        with open(path) as f:
+            raw = json.load(f)
+        if not isinstance(raw, dict):
+            raise ValueError(f"--speculative-adaptive-config {path}: expected a JSON object")
+        known = {
+            "candidates",
+            "include_off",
+            "hysteresis",
+            "ema",
+            "prior_rounds",
+            "probe_every",
+            "explore_rounds",
+        }
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(
+                f"--speculative-adaptive-config {path}: unknown keys {sorted(unknown)}; allowed {sorted(known)}"
+            )
+        cands = [TreeShape(*map(int, c)) for c in raw.get("candidates", [])] or default_candidates(configured)
+        for c in cands:
+            why = check_shape(c)
+            if why:
+                raise ValueError(f"--speculative-adaptive-config {path}: {why}")
+        cfg = AdaptiveConfig(cands)
+        for key in known - {"candidates"}:
+            if key in raw:
+                setattr(cfg, key, type(getattr(cfg, key))(raw[key]))
+        return cfg
+
+
+# ---- the cost table ---------------------------------------------------------------------------------------------
+@dataclass
+class CostTable:
+    """Seconds per round for each shape (label) at measured batch sizes, and the accept length per round each
+    shape reached during calibration (the prior of the online estimate). `key` names what it was measured on."""
+
+    round_seconds: dict[str, dict[int, float]]
+    prior_accept: dict[str, float]
+    key: dict[str, str] = field(default_factory=dict)
+
+    def seconds(self, shape: TreeShape, batch: int) -> float:
+        """Piecewise-linear in the batch size inside the measured range; beyond it, the last point plus the
+        least-squares slope of all points (a noisy last segment must not make large batches look free)."""
+        pts = sorted(self.round_seconds[shape.label].items())
+        xs = [b for b, _ in pts]
+        if len(pts) == 1:
+            return pts[0][1] * batch / xs[0]
+        if batch >= xs[-1]:
+            mx, my = statistics.fmean(xs), statistics.fmean(t for _, t in pts)
+            slope = sum((x - mx) * (t - my) for x, t in pts) / sum((x - mx) ** 2 for x in xs)
+            return pts[-1][1] + max(slope, 0.0) * (batch - xs[-1])
+        i = max(bisect.bisect_left(xs, batch), 1)
+        (b0, t0), (b1, t1) = pts[i - 1], pts[i]
+        return max(t0 + (t1 - t0) * (batch - b0) / (b1 - b0), 1e-9)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "round_seconds": {s: {str(b): t for b, t in v.items()} for s, v in self.round_seconds.items()},
+            "prior_accept": self.prior_accept,
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> CostTable:
+        return CostTable(
+            round_seconds={
+                s: {int(b): float(t) for b, t in v.items()} for s, v in d["round_seconds"].items()
+            },
+            prior_accept={s: float(a) for s, a in d["prior_accept"].items()},
+            key=dict(d.get("key", {})),
+        )
+
+    def covers(self, shapes: list[TreeShape]) -> bool:
+        return all(s.label in self.round_seconds and s.label in self.prior_accept for s in shapes)
+
+
+def cache_key(
+    model: str, draft: str, device: str, dtype: str, torch_version: str, extra: str
+) -> dict[str, str]:
+    """What a cached table is valid for; `extra` carries the algorithm, page size and candidates."""
+    return {
+        "model": model,
+        "draft": draft,
+        "device": device,
+        "dtype": dtype,
+        "torch": torch_version,
+        "extra": extra,
+    }
+
+
+def default_cache_path(key: dict[str, str]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    root = os.environ.get("TREEPAGE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "treepage")
+    return Path(root) / "adaptive" / f"{digest}.json"
+
+
+def load_table(path: Path, key: dict[str, str] | None) -> CostTable | None:
+    """The table at path if it exists (and matches key, unless key is None: a pinned file is trusted)."""
+    try:
+        table = CostTable.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError):
+        return None
+    if key is not None and table.key != key:
+        return None
+    return table
+
+
+def save_table(path: Path, table: CostTable) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table.to_json(), indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+# ---- policies -----------------------------------------------------------------------------------------------------
+class ShapePolicy(Protocol):
+    def choose(self, batch_size: int) -> TreeShape: ...
+
+    def observe(self, shape: TreeShape, accept_lens: list[int], batch: int, seconds: float) -> None: ...
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+
+class AdaptivePolicy:
+    """argmax over candidates of E[accept] * B / t_round(shape, B), with hysteresis and occasional probes.
+
+    E[accept] is an EMA of the tokens emitted per request-round (accepted drafts + the bonus token), starting
+    from the calibration prior; OFF emits exactly one. t_round(shape, B) is an EMA (in log space, so one slow
+    outlier does not dominate) of the wall time of the rounds served with that shape at that batch size,
+    starting from the calibrated table times a per-shape scale learnt the same way at any batch size: a
+    calibration disturbed by other processes, or serving conditions it did not see (the overlap thread next to
+    the scheduler, longer contexts), is corrected within a few rounds. A shape that is never chosen would keep
+    stale estimates forever (and OFF would never learn that the traffic became predictable), so every
+    `probe_every` rounds the best other candidate (OFF included) runs once; before any choice, each candidate
+    serves `explore_rounds` rounds, so every shape's per-shape scale starts from served rounds.
+    """
+
+    def __init__(self, config: AdaptiveConfig, table: CostTable) -> None:
+        self.config = config
+        self.candidates = list(config.candidates) + ([OFF] if config.include_off else [])
+        self.table = table
+        self.accept = {c: (1.0 if c.is_off else table.prior_accept[c.label]) for c in self.candidates}
+        self.rounds: Counter[str] = Counter()
+        self.observed: Counter[TreeShape] = Counter()
+        self.log_time_scale: dict[TreeShape, float] = dict.fromkeys(self.candidates, 0.0)
+        self.timed: Counter[TreeShape] = Counter()
+        self.served_log_seconds: dict[tuple[TreeShape, int], float] = {}  # per (shape, batch size)
+        self.served: Counter[tuple[TreeShape, int]] = Counter()
+        self.current: TreeShape = self.candidates[0]
+        self._since_probe = 0
+
+    def rate(self, shape: TreeShape, batch: int) -> float:
+        """Expected output tokens per second of a round of this shape at this batch size."""
+        return self.accept[shape] * batch / self.seconds(shape, batch)
+
+    def seconds(self, shape: TreeShape, batch: int) -> float:
+        """Expected seconds of one round: what served rounds of this shape at this batch size took, else the
+        calibrated table scaled by what this shape's served rounds took at any batch size."""
+        served = self.served_log_seconds.get((shape, batch))
+        if served is not None:
+            return math.exp(served)
+        return self.table.seconds(shape, batch) * math.exp(self.log_time_scale[shape])
+
+    def _weight(self, n: int, prior_rounds: float) -> float:
+        """A running mean that starts with the prior worth prior_rounds rounds, until it is an EMA."""
+        return max(self.config.ema, 1.0 / (prior_rounds + n + 1))
+
+    def best(self, batch: int) -> TreeShape:
+        """The candidate with the highest expected rate, keeping the current one unless beaten by the margin."""
+        top = max(self.candidates, key=lambda c: self.rate(c, batch))
+        if top != self.current and self.rate(top, batch) <= self.rate(self.current, batch) * (
+            1 + self.config.hysteresis
+        ):
+            return self.current
+        return top
+
+    def choose(self, batch_size: int) -> TreeShape:
+        unexplored = [c for c in self.candidates if self.rounds[c.label] < self.config.explore_rounds]
+        if unexplored:  # the calibration ran in other conditions than serving: measure each shape served
+            shape = min(unexplored, key=lambda c: self.rounds[c.label])
+            self.rounds[shape.label] += 1
+            return shape
+        chosen = self.best(batch_size)
+        if chosen != self.current:
+            logger.info(
+                "speculative shape %s -> %s at batch %d (expected %.1f vs %.1f tok/s)",
+                self.current.label,
+                chosen.label,
+                batch_size,
+                self.rate(chosen, batch_size),
+                self.rate(self.current, batch_size),
+            )
+            self.current = chosen
+        self._since_probe += 1
+        if self.config.probe_every > 0 and self._since_probe >= self.config.probe_every:
+            self._since_probe = 0
+            others = [c for c in self.candidates if c != chosen]
+            if others:
+                chosen = max(others, key=lambda c: self.rate(c, batch_size))
+        self.rounds[chosen.label] += 1
+        return chosen
+
+    def observe(self, shape: TreeShape, accept_lens: list[int], batch: int, seconds: float) -> None:
+        """A served round: the tokens each request emitted, the batch size and the round's wall time."""
+        if shape not in self.accept or batch < 1:
+            return
+        log_s = math.log(max(seconds, 1e-6))
+        key = (shape, batch)
+        before = math.log(self.seconds(shape, batch))
+        w = self._weight(self.served[key], TIME_PRIOR_ROUNDS)
+        self.served[key] += 1
+        self.served_log_seconds[key] = (1 - w) * before + w * log_s
+        w = self._weight(self.timed[shape], TIME_PRIOR_ROUNDS)
+        self.timed[shape] += 1
+        ratio = log_s - math.log(self.table.seconds(shape, batch))
+        self.log_time_scale[shape] = (1 - w) * self.log_time_scale[shape] + w * ratio
+        if shape.is_off or not accept_lens:
+            return
+        mean = sum(accept_lens) / len(accept_lens)
+        w = self._weight(self.observed[shape], self.config.prior_rounds)
+        self.observed[shape] += 1
+        self.accept[shape] = (1 - w) * self.accept[shape] + w * mean
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "policy": "adaptive",
+            "current": self.current.label,
+            "candidates": [c.label for c in self.candidates],
+            "rounds": {c.label: self.rounds[c.label] for c in self.candidates},
+            "accept_estimate": {c.label: round(a, 4) for c, a in self.accept.items()},
+            "time_scale": {c.label: round(math.exp(x), 4) for c, x in self.log_time_scale.items()},
+            "served_seconds": {
+                c.label: {
+                    b: round(math.exp(x), 5)
+                    for (s, b), x in sorted(self.served_log_seconds.items())
+                    if s == c
+                }
+                for c in self.candidates
+            },
+            "calibration": self.table.to_json(),
+        }
+
+
+class CyclePolicy:
+    """Debug schedule (`--speculative-adaptive-debug-cycle`): a different shape every round, cycling through all
+    candidates and OFF, so the exactness tests cross every switch."""
+
+    def __init__(self, candidates: list[TreeShape]) -> None:
+        self.candidates = list(candidates) + [OFF]
+        self.rounds: Counter[str] = Counter()
+        self._i = 0
+
+    def choose(self, batch_size: int) -> TreeShape:
+        shape = self.candidates[self._i % len(self.candidates)]
+        self._i += 1
+        self.rounds[shape.label] += 1
+        return shape
+
+    def observe(self, shape: TreeShape, accept_lens: list[int], batch: int, seconds: float) -> None:
+        """Nothing to learn: the schedule is fixed."""
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "policy": "debug_cycle",
+            "candidates": [c.label for c in self.candidates],
+            "rounds": {c.label: self.rounds[c.label] for c in self.candidates},
+        }

@@ -1,0 +1,200 @@
+"""Start-up calibration of adaptive speculation: time one round of every candidate shape (and OFF) at a few
+batch sizes on the machine the server runs on, and record the accept length each shape reaches on a chat prompt
+(the prior of the online estimate). The result is cached in a JSON file keyed by model, draft, device, dtype and
+torch version, so a restart reuses it (docs/design.md, "Adaptive speculation").
+
+The rounds run on rows borrowed from the shared pools before the scheduler starts; everything is returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from treepage.core import Req, SamplingParams
+from treepage.mem_cache.memory_pool import free_row, grow_row
+from treepage.mem_cache.sizing import alloc_len_for_shape
+from treepage.server_args import ServerArgs
+from treepage.speculative.adaptive import (
+    OFF,
+    CostTable,
+    TreeShape,
+    cache_key,
+    default_cache_path,
+    load_table,
+    save_table,
+)
+from treepage.speculative.eagle_worker import EagleWorker, SpecDebugCounters
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_VERSION = 3  # part of the cache key: a change to what is measured invalidates old tables
+BATCH_SIZES = (1, 2, 4, 8, 16)
+TIMED_ROUNDS = 2  # per (batch, shape), after one warm-up round; the fastest is kept (the least disturbed by
+# other processes); served rounds correct the table online (AdaptivePolicy.seconds)
+CPU_BUDGET_S = 20.0
+CUDA_BUDGET_S = 10.0
+
+
+def device_name(device: torch.device) -> str:
+    """What the timings depend on: the accelerator, or the CPU model, its ISA level and the thread count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model} / {torch.backends.cpu.get_cpu_capability()} / {torch.get_num_threads()} threads"
+
+
+def table_key(worker: EagleWorker, args: ServerArgs, dtype: torch.dtype) -> dict[str, str]:
+    shapes = ",".join(s.label for s in worker.shapes)
+    extra = f"v{CALIBRATION_VERSION} {args.speculative_algorithm} page={args.page_size} v{args.spec_version} " + (
+        f"backend={args.attention_backend} shapes={shapes}"
+    )
+    return cache_key(
+        args.model_path or "",
+        args.speculative_draft_model_path or "",
+        device_name(worker.device),
+        str(dtype).replace("torch.", ""),
+        torch.__version__,
+        extra,
+    )
+
+
+def load_or_calibrate(
+    worker: EagleWorker,
+    args: ServerArgs,
+    dtype: torch.dtype,
+    prompt: list[int],
+    budget_s: float | None = None,
+) -> CostTable:
+    """The pinned table (--speculative-adaptive-calibration), else the cached one for this key, else measure."""
+    key = table_key(worker, args, dtype)
+    shapes = [*worker.shapes, OFF]
+    pinned = args.speculative_adaptive_calibration
+    path = Path(pinned) if pinned else default_cache_path(key)
+    table = load_table(path, None if pinned else key)
+    if table is not None and table.covers(shapes):
+        logger.info("adaptive speculation: cost table from %s", path)
+        return table
+    if budget_s is None:
+        budget_s = CUDA_BUDGET_S if worker.device.type == "cuda" else CPU_BUDGET_S
+    table = calibrate(worker, shapes, prompt, budget_s)
+    table.key = key
+    try:
+        save_table(path, table)
+        logger.info("adaptive speculation: cost table written to %s", path)
+    except OSError as e:
+        logger.warning("adaptive speculation: could not cache the cost table at %s: %s", path, e)
+    return table
+
+
+def calibrate(worker: EagleWorker, shapes: list[TreeShape], prompt: list[int], budget_s: float) -> CostTable:
+    """Seconds per round for each shape at batch sizes 1, 2, 4, ... while the budget lasts (a batch size is
+    skipped when it is predicted to overrun it), and each shape's mean accept length per request-round."""
+    t_start = time.perf_counter()
+    seconds: dict[str, dict[int, float]] = {s.label: {} for s in shapes}
+    accepts: dict[str, list[float]] = {s.label: [] for s in shapes}
+    cap = min(worker.pools.req_to_token_pool.num_free(), max(BATCH_SIZES))
+    last = 0.0  # seconds the previous batch size took; the next (twice as large) is predicted at twice that
+    for B in [b for b in BATCH_SIZES if b <= cap]:
+        if B > 1 and time.perf_counter() - t_start + 2 * last > budget_s:
+            break
+        t_b = time.perf_counter()
+        measured = _measure_batch(worker, shapes, prompt, B)
+        last = time.perf_counter() - t_b
+        if measured is None:
+            break
+        for label, (t, a) in measured.items():
+            # Monotone in the batch size: on a shared CPU a slow outlier at a small batch must not make a
+            # larger batch look cheaper.
+            seconds[label][B] = max([t, *seconds[label].values()])
+            accepts[label] += a
+    worker.debug = SpecDebugCounters()  # server statistics start after calibration
+    if not seconds[shapes[0].label]:
+        raise RuntimeError("adaptive speculation: the KV pool cannot hold one calibration request")
+    prior = {label: (statistics.fmean(a) if a else 1.0) for label, a in accepts.items()}
+    logger.info(
+        "adaptive speculation calibrated in %.1fs: %s",
+        time.perf_counter() - t_start,
+        "; ".join(
+            f"{label} accept {prior[label]:.2f} "
+            + " ".join(f"B{b}={t * 1e3:.0f}ms" for b, t in sorted(v.items()))
+            for label, v in seconds.items()
+        ),
+    )
+    return CostTable(seconds, prior)
+
+
+def _measure_batch(
+    worker: EagleWorker, shapes: list[TreeShape], prompt: list[int], B: int
+) -> dict[str, tuple[float, list[float]]] | None:
+    """Prefill B copies of the prompt, run 1 + TIMED_ROUNDS passes over the shapes (OFF last in each pass: its
+    one-token draft catch-up lands in the next pass's first round, as it would when serving), free everything.
+    None when the pools cannot hold the batch."""
+    rounds = len(shapes) * (1 + TIMED_ROUNDS)
+    grow = max(s.steps + 1 for s in shapes)
+    with borrowed_batch(worker, prompt, B, rounds * grow) as reqs:
+        if reqs is None:
+            return None
+        need = reqs[0].allocated_len
+        order = [s for s in shapes if not s.is_off] + [s for s in shapes if s.is_off]
+        times: dict[str, list[float]] = {s.label: [] for s in order}
+        accept: dict[str, list[float]] = {s.label: [] for s in order}
+        for k in range(1 + TIMED_ROUNDS):  # shapes interleaved: a burst of contention hits all of them
+            for shape in order:
+                t0 = time.perf_counter()
+                step = worker.run_round(reqs, [need] * B, shape)
+                if worker.device.type == "cuda":
+                    torch.cuda.synchronize(worker.device)
+                if k:
+                    times[shape.label].append(time.perf_counter() - t0)
+                    accept[shape.label] += [float(len(s.tokens)) for s in step]
+        out = {label: (min(times[label]), accept[label]) for label in times}
+        return out
+
+
+@contextmanager
+def borrowed_batch(worker: EagleWorker, prompt: list[int], B: int, growth: int) -> Iterator[list[Req] | None]:
+    """B prefilled copies of the prompt on rows that hold `growth` more tokens plus one round of the largest
+    shape; None when the pools cannot hold them. Rows, pages and worker state are returned on exit."""
+    pools = worker.pools
+    P = worker.P
+    touch = max(alloc_len_for_shape(P, s.topk, s.steps, s.draft_tokens) for s in worker.shapes)
+    need = min(len(prompt) + growth + touch + P, pools.req_to_token_pool.row_width)
+    reqs: list[Req] = []
+    try:
+        ok = True
+        for i in range(B):
+            row = pools.req_to_token_pool.alloc()
+            if row is None:
+                ok = False
+                break
+            r = Req(f"calibrate-{B}-{i}", list(prompt), SamplingParams(temperature=0.0), sink=lambda _: None)
+            r.row = row
+            reqs.append(r)
+            if not grow_row(pools.req_to_token_pool, pools.allocator, row, 0, need):
+                ok = False
+                break
+            r.allocated_len = need
+        if not ok:
+            yield None
+            return
+        worker.prefill(reqs, [len(prompt)] * B)
+        yield reqs
+    finally:
+        worker.release([r.rid for r in reqs])
+        for r in reqs:
+            if r.allocated_len:
+                free_row(pools.req_to_token_pool, pools.allocator, r.row, 0, r.allocated_len)
+            pools.req_to_token_pool.free(r.row)

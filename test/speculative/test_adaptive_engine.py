@@ -1,0 +1,112 @@
+"""Adaptive speculation end to end on a tiny model: start-up calibration (bounded, cached, pinnable), the policy
+driving real rounds with exact greedy output, and what /get_server_info reports."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from spec_utils import make_eagle_head, make_sharp_target
+from treepage.entrypoints.engine import Engine
+from treepage.server_args import ServerArgs
+
+SP = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+PROMPTS = [[5 + (i * 7 + j) % 100 for j in range(10 + 9 * i)] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adaptive_engine")
+    target = make_sharp_target(str(root / "target"))
+    return target, make_eagle_head(target, str(root / "eagle3"), "EAGLE3")
+
+
+def adaptive_engine(ckpts, version: int, **kw) -> Engine:
+    target, head = ckpts
+    return Engine(
+        ServerArgs(
+            model_path=target,
+            dtype="float32",
+            page_size=16,
+            speculative_algorithm="EAGLE3",
+            speculative_draft_model_path=head,
+            speculative_num_steps=4,
+            speculative_eagle_topk=4,
+            speculative_num_draft_tokens=16,
+            speculative_adaptive=True,
+            disable_overlap_schedule=version == 1,
+            **kw,
+        )
+    )
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_calibrates_caches_and_stays_exact(ckpts, tmp_path, monkeypatch, version):
+    monkeypatch.setenv("TREEPAGE_STRICT_MEM_CHECK", "1")
+    monkeypatch.setenv("TREEPAGE_CACHE_DIR", str(tmp_path / "cache"))
+    plain = Engine(ServerArgs(model_path=ckpts[0], dtype="float32", page_size=1))
+    try:
+        ref = [o["output_ids"] for o in plain.generate(input_ids=PROMPTS, sampling_params=SP)]
+    finally:
+        plain.shutdown()
+    t0 = time.perf_counter()
+    eng = adaptive_engine(ckpts, version)
+    try:
+        assert time.perf_counter() - t0 < 60
+        info = eng.get_server_info()["speculative_adaptive"]
+        assert info["policy"] == "adaptive"
+        labels = ["4x4x16", "3x2x6", "3x1x4", "1x1x2", "off"]
+        assert info["candidates"] == labels
+        table = info["calibration"]["round_seconds"]
+        assert set(table) == set(labels) and all(len(table[s]) >= 2 for s in labels), table
+        assert all(t > 0 for s in labels for t in table[s].values())
+        assert eng.memory_report()["used_pages"] == 0  # calibration returned every page and row
+        cached = list((tmp_path / "cache" / "adaptive").glob("*.json"))
+        assert len(cached) == 1
+        out = [o["output_ids"] for o in eng.generate(input_ids=PROMPTS, sampling_params=SP)]
+        assert out == ref
+        single = eng.generate(input_ids=PROMPTS[0], sampling_params=SP)
+        assert single["output_ids"] == ref[0]
+        info = eng.get_server_info()["speculative_adaptive"]
+        assert sum(info["rounds"].values()) > 0
+        assert set(info["accept_estimate"]) == set(labels)
+        eng.wait_idle()
+        assert eng.memory_report()["used_pages"] == 0
+    finally:
+        eng.shutdown()
+
+
+def test_pinned_table_is_loaded_not_measured(ckpts, tmp_path):
+    """A pinned file that exists is used as is: here it says OFF is far faster, so every round is plain."""
+    labels = ["4x4x16", "3x2x6", "3x1x4", "1x1x2", "off"]
+    seconds = {s: {"1": 1.0, "8": 8.0} for s in labels}
+    seconds["off"] = {"1": 0.001, "8": 0.002}
+    path = tmp_path / "pinned.json"
+    path.write_text(
+        json.dumps({"key": {}, "round_seconds": seconds, "prior_accept": dict.fromkeys(labels, 2.0)})
+    )
+    t0 = time.perf_counter()
+    eng = adaptive_engine(ckpts, 2, speculative_adaptive_calibration=str(path))
+    try:
+        info = eng.get_server_info()["speculative_adaptive"]
+        assert info["calibration"]["round_seconds"]["off"] == {"1": 0.001, "8": 0.002}
+        eng.generate(input_ids=PROMPTS, sampling_params=SP)
+        rounds = eng.get_server_info()["speculative_adaptive"]["rounds"]
+        # after 4 exploration rounds per shape, only probes (every 32 rounds) leave OFF
+        assert rounds["off"] > 0 and sum(rounds.values()) - rounds["off"] <= 4 * 4 + rounds["off"] // 32 + 1
+    finally:
+        eng.shutdown()
+    assert time.perf_counter() - t0 < 60
+
+
+def test_missing_pinned_table_is_measured_and_written(ckpts, tmp_path):
+    path = tmp_path / "sub" / "table.json"
+    eng = adaptive_engine(ckpts, 1, speculative_adaptive_calibration=str(path))
+    try:
+        assert path.exists()
+        data = json.loads(path.read_text())
+        assert "off" in data["round_seconds"] and data["key"]["dtype"] == "float32"
+    finally:
+        eng.shutdown()

@@ -1,0 +1,274 @@
+"""The adaptive policy and cost model on synthetic tables (no model runs): candidate derivation, interpolation,
+the argmax of expected tokens/s, hysteresis, the online accept estimate, probes, config and cache files, and
+the memory sizing over all candidates."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+
+from treepage.arg_groups.speculative import apply_default_server_speculation, resolve_speculative
+from treepage.mem_cache.sizing import (
+    alloc_len_for_shape,
+    get_alloc_len_per_decode,
+    get_alloc_reserve_per_decode,
+    get_row_width_extra,
+    max_shape_desc,
+)
+from treepage.server_args import ArgumentError, ServerArgs
+from treepage.speculative.adaptive import (
+    OFF,
+    AdaptiveConfig,
+    AdaptivePolicy,
+    CostTable,
+    CyclePolicy,
+    TreeShape,
+    check_shape,
+    default_candidates,
+    load_table,
+    save_table,
+)
+
+BIG, MID, CHAIN, ONE = TreeShape(4, 4, 16), TreeShape(3, 2, 6), TreeShape(3, 1, 4), TreeShape(1, 1, 2)
+
+
+def test_default_candidates_derive_downwards():
+    assert default_candidates(BIG) == [BIG, MID, CHAIN, ONE]
+    assert default_candidates(TreeShape(4, 8, 16)) == [
+        TreeShape(4, 8, 16),
+        TreeShape(3, 4, 12),
+        TreeShape(3, 2, 6),
+        CHAIN,
+        ONE,
+    ]
+    assert default_candidates(CHAIN) == [CHAIN, TreeShape(2, 1, 3), ONE]
+    assert default_candidates(ONE) == [ONE]
+    for c in default_candidates(TreeShape(5, 8, 32)):
+        assert check_shape(c) is None, c
+    assert OFF.is_off and OFF.label == "off" and TreeShape.parse("3x2x6") == MID
+
+
+# Seconds per round: the tree's verify grows fast with the batch, plain decode barely.
+SECONDS = {
+    BIG.label: {1: 0.100, 2: 0.140, 4: 0.220, 8: 0.380},
+    MID.label: {1: 0.070, 2: 0.090, 4: 0.130, 8: 0.210},
+    CHAIN.label: {1: 0.060, 2: 0.075, 4: 0.105, 8: 0.165},
+    ONE.label: {1: 0.045, 2: 0.052, 4: 0.066, 8: 0.094},
+    "off": {1: 0.030, 2: 0.033, 4: 0.039, 8: 0.051},
+}
+PRIOR = {BIG.label: 3.2, MID.label: 2.4, CHAIN.label: 2.2, ONE.label: 1.6, "off": 1.0}
+
+
+def table() -> CostTable:
+    return CostTable({k: dict(v) for k, v in SECONDS.items()}, dict(PRIOR))
+
+
+def policy(**kw) -> AdaptivePolicy:
+    kw.setdefault("probe_every", 0)
+    kw.setdefault("explore_rounds", 0)
+    return AdaptivePolicy(AdaptiveConfig([BIG, MID, CHAIN, ONE], **kw), table())
+
+
+def brute_best(accept: dict[str, float], batch: int) -> str:
+    t = table()
+    return max(accept, key=lambda s: accept[s] * batch / t.seconds(TreeShape.parse(s), batch))
+
+
+def test_interpolation_and_extrapolation():
+    t = table()
+    assert t.seconds(BIG, 1) == pytest.approx(0.100)
+    assert t.seconds(BIG, 3) == pytest.approx(0.180)  # halfway between 2 and 4
+    assert t.seconds(BIG, 16) == pytest.approx(0.380 + 8 * (0.380 - 0.220) / 4)  # last segment's slope
+    # A noisy flat last segment: beyond the range the slope of all points, not zero.
+    noisy = CostTable({"off": {1: 0.1, 2: 0.2, 4: 0.2}}, {"off": 1.0})
+    assert noisy.seconds(OFF, 8) == pytest.approx(0.2 + 4 * (0.4 / 3) / (14 / 3))
+    single = CostTable({"off": {2: 0.04}}, {"off": 1.0})
+    assert single.seconds(OFF, 4) == pytest.approx(0.08)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 8, 16])
+def test_picks_the_argmax_of_expected_tokens_per_second(batch):
+    p = policy(hysteresis=0.0)
+    assert p.choose(batch).label == brute_best(PRIOR, batch)
+
+
+def test_the_right_shape_per_batch_size():
+    """With an accept estimate of 4 the big tree makes 40 tok/s at batch 1 (off: 33.3) and 84 at batch 8, where
+    off makes 157: the tree at batch 1, plain decoding at batch 8."""
+    p = policy(hysteresis=0.0)
+    p.accept[BIG] = 4.0  # 40 tok/s at batch 1 vs off 33.3
+    assert p.choose(1) == BIG
+    assert p.choose(8) == OFF  # off: 8 / 0.051 = 157 tok/s; big: 32 / 0.380 = 84
+    assert brute_best({s.label: a for s, a in p.accept.items()}, 8) == "off"
+
+
+def test_hysteresis_holds_and_releases():
+    p = policy(hysteresis=0.10)
+    p.current = ONE
+    # At batch 4: ONE = 1.6*4/0.066 = 97.0 tok/s, off = 4/0.039 = 102.6 tok/s: off is better by 5.8% < 10%.
+    assert p.rate(OFF, 4) > p.rate(ONE, 4)
+    assert p.choose(4) == ONE
+    # At batch 8 off is better by 157/136 = 15%: the policy switches.
+    assert p.choose(8) == OFF
+    # and does not flap back at batch 4, where ONE is not better than off
+    for _ in range(10):
+        assert p.choose(4) == OFF
+    assert p.rounds["off"] == 11 and p.rounds[ONE.label] == 1
+
+
+def test_accept_estimate_moves_the_choice():
+    p = policy(hysteresis=0.05, prior_rounds=8.0)
+    p.observe(
+        MID, [1, 2], 2, SECONDS[MID.label][2]
+    )  # the first round weighs 1/9 against the prior's 8 rounds
+    assert p.accept[MID] == pytest.approx(2.4 + (1.5 - 2.4) / 9)
+    p.accept[BIG] = 4.0
+    assert p.choose(1) == BIG
+    for _ in range(40):  # the traffic turns out unpredictable: one token per round
+        p.observe(BIG, [1, 1], 2, SECONDS[BIG.label][2])
+    assert p.accept[BIG] < 1.1
+    assert p.choose(1) != BIG
+    p.observe(OFF, [], 1, SECONDS["off"][1])  # OFF emits one token per round, always
+    assert p.accept[OFF] == 1.0
+    assert p.seconds(BIG, 3) == pytest.approx(table().seconds(BIG, 3))  # rounds as calibrated: no correction
+
+
+def test_served_round_times_correct_the_calibration():
+    """Calibration said OFF takes 51 ms at batch 8; served OFF rounds take 204 ms (say the calibration ran while
+    another process slept). The served rounds take over from the calibration, and the policy switches to a
+    speculative shape."""
+    p = policy(hysteresis=0.05)
+    assert p.choose(8) == OFF
+    for _ in range(20):
+        p.observe(OFF, [], 8, 0.204)
+    assert p.seconds(OFF, 8) == pytest.approx(0.204, rel=0.2)
+    # Other batch sizes of the same shape scale the table by what served rounds took.
+    assert p.seconds(OFF, 1) == pytest.approx(SECONDS["off"][1] * 4, rel=0.2)
+    best = p.choose(8)
+    assert best == ONE == max(p.candidates, key=lambda c: p.rate(c, 8))
+    slow = p.seconds(BIG, 1)
+    p.observe(BIG, [3, 3], 2, 10 * SECONDS[BIG.label][2])  # one outlier moves the log-space estimate by 1/3
+    assert p.seconds(BIG, 1) == pytest.approx(slow * 10 ** (1 / 3))
+
+
+def test_probes_refresh_other_shapes():
+    p = policy(probe_every=4, hysteresis=0.0)
+    chosen = [p.choose(8) for _ in range(12)]
+    assert chosen.count(OFF) == 9
+    assert all(not c.is_off for c in chosen[3::4])  # every fourth round runs the best speculative shape
+
+
+def test_cycle_policy_visits_every_shape_and_off():
+    c = CyclePolicy([BIG, MID, CHAIN, ONE])
+    seen = [c.choose(1) for _ in range(10)]
+    assert seen[:5] == [BIG, MID, CHAIN, ONE, OFF] and seen[5:] == seen[:5]
+    assert all(a != b for a, b in zip(seen, seen[1:]))  # a change every round
+
+
+def test_config_file(tmp_path):
+    path = tmp_path / "adaptive.json"
+    path.write_text(
+        json.dumps({"candidates": [[3, 1, 4], [1, 1, 2]], "hysteresis": 0.2, "include_off": False})
+    )
+    cfg = AdaptiveConfig.load(str(path), BIG)
+    assert cfg.candidates == [CHAIN, ONE] and cfg.hysteresis == 0.2 and cfg.include_off is False
+    path.write_text(json.dumps({"candidates": [[3, 1, 9]]}))
+    with pytest.raises(ValueError, match="chain"):
+        AdaptiveConfig.load(str(path), BIG)
+    path.write_text(json.dumps({"candidate": []}))
+    with pytest.raises(ValueError, match="unknown keys"):
+        AdaptiveConfig.load(str(path), BIG)
+
+
+def test_cache_round_trip_and_key(tmp_path):
+    t = table()
+    t.key = {"model": "m", "device": "cpu"}
+    path = tmp_path / "t.json"
+    save_table(path, t)
+    back = load_table(path, t.key)
+    assert back is not None and back.round_seconds == t.round_seconds and back.prior_accept == t.prior_accept
+    assert load_table(path, {"model": "other", "device": "cpu"}) is None
+    assert load_table(path, None) is not None  # a pinned file is trusted
+    assert load_table(tmp_path / "missing.json", None) is None
+
+
+def test_sizing_takes_the_max_over_candidates():
+    args = ServerArgs(
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path="d",
+        page_size=64,
+        speculative_num_steps=4,
+        speculative_eagle_topk=4,
+        speculative_num_draft_tokens=16,
+        speculative_adaptive=True,
+    )
+    resolve_speculative(args)
+    assert args.speculative_shapes == [(4, 4, 16), (3, 2, 6), (3, 1, 4), (1, 1, 2)]
+    alloc = get_alloc_len_per_decode(args)
+    assert alloc == max(alloc_len_for_shape(64, k, s, n) for s, k, n in args.speculative_shapes) == 512
+    assert get_alloc_reserve_per_decode(args) == 1024
+    assert get_row_width_extra(args) == 2 * 512 + 63
+    assert max_shape_desc(args) == (4, 4, 16)
+    # A config whose candidates exceed the configured shape widens the rows for them.
+    args.speculative_shapes = [(4, 4, 16), (5, 8, 32)]
+    assert get_alloc_len_per_decode(args) == alloc_len_for_shape(64, 8, 5, 32) == 1024
+
+
+def test_routing_default_server_adapts_explicit_flags_do_not():
+    a = ServerArgs(model_path="m")
+    apply_default_server_speculation(a)
+    assert a.speculative_adaptive is True
+    resolve_speculative(a)
+    assert a.speculative_adaptive is True and len(a.speculative_shapes) == 4
+    fixed = ServerArgs(model_path="m", speculative_num_steps=3, speculative_eagle_topk=1)
+    apply_default_server_speculation(fixed)
+    resolve_speculative(fixed)
+    assert fixed.speculative_adaptive is False and fixed.speculative_shapes == [(3, 1, 4)]
+    off = ServerArgs(model_path="m", speculative_algorithm="NONE")
+    apply_default_server_speculation(off)
+    resolve_speculative(off)
+    assert not off.speculative_adaptive
+    with pytest.raises(ArgumentError, match="--speculative-adaptive"):
+        resolve_speculative(ServerArgs(speculative_adaptive=True))
+    with pytest.raises(ArgumentError, match="need --speculative-adaptive"):
+        resolve_speculative(
+            ServerArgs(
+                speculative_algorithm="EAGLE",
+                speculative_draft_model_path="d",
+                speculative_adaptive_config="x",
+            )
+        )
+
+
+def test_a_shape_change_is_logged(caplog):
+    p = policy(hysteresis=0.0)
+    p.accept[BIG] = 4.0
+    with caplog.at_level(logging.INFO, logger="treepage.speculative.adaptive"):
+        p.choose(1)
+        p.choose(1)
+        p.choose(8)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"speculative shape {BIG.label} -> off at batch 8 (expected 156.9 vs 84.2 tok/s)"]
+
+
+def test_probes_time_off_while_speculating():
+    """While a tree wins, OFF is the runner-up that gets probed: its served time is learnt too."""
+    p = policy(probe_every=4, hysteresis=0.0)
+    p.accept[BIG] = 6.0  # the big tree wins at batch 1 by far; OFF (33.3 tok/s) is the runner-up
+    chosen = [p.choose(1) for _ in range(8)]
+    assert chosen[3] == chosen[7] == max((c for c in p.candidates if c != BIG), key=lambda c: p.rate(c, 1))
+    assert chosen.count(BIG) == 6
+    p.observe(OFF, [], 1, 0.3)
+    assert p.snapshot()["served_seconds"]["off"][1] == pytest.approx(
+        math.exp((2 * math.log(0.03) + math.log(0.3)) / 3), rel=1e-3
+    )
+
+
+def test_start_up_exploration_serves_every_candidate():
+    p = policy(explore_rounds=2, hysteresis=0.0)
+    first = [p.choose(1) for _ in range(10)]
+    assert sorted(first) == sorted([BIG, MID, CHAIN, ONE, OFF] * 2)
+    assert p.choose(1) == max(p.candidates, key=lambda c: p.rate(c, 1))  # then the policy decides
