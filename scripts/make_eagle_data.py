@@ -249,6 +249,20 @@ def sharegpt_prompts(
     return train, held, stats
 
 
+def sharegpt_heldout_questions(n: int, seed: int = SEED) -> list[str]:
+    """The first n ShareGPT held-out prompts of the default data set (as generated into heldout.jsonl)."""
+    read, _ = load_packaged_sharegpt()
+    exclude = {normalize(q) for q in handwritten_prompts()}
+    return [p.prompt for p in sharegpt_prompts(read.conversations, Filters(), seed, exclude)[1][:n]]
+
+
+def handwritten_prompts() -> list[str]:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmark"))
+    from everyday_prompts import EVERYDAY_PROMPTS
+
+    return EVERYDAY_PROMPTS
+
+
 def mix(primary: list[Prompt], secondary: list[Prompt], frac: float) -> list[Prompt]:
     """Interleave so that every prefix holds about `frac` of `secondary` (a time-cut run keeps the ratio)."""
     if not primary or not secondary:
@@ -305,11 +319,9 @@ def generator_args(model_path: str | None, dtype: str):
 
 def plan(args, conversations: list[dict] | None) -> tuple[dict[str, list[Prompt]], dict]:
     """The prompts of every output file, in generation order, and what the manifest says about them."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmark"))
-    from everyday_prompts import EVERYDAY_PROMPTS
-
     old = build_prompts(args.num_old_train, args.num_heldout_old, args.heldout_frac, args.seed)
-    info: dict = {"excluded_handwritten": len(EVERYDAY_PROMPTS)}
+    handwritten = handwritten_prompts()
+    info: dict = {"excluded_handwritten": len(handwritten)}
     sg_train: list[Prompt] = []
     sg_held: list[Prompt] = []
     if conversations is not None:
@@ -317,7 +329,7 @@ def plan(args, conversations: list[dict] | None) -> tuple[dict[str, list[Prompt]
             conversations,
             Filters(args.min_chars, args.max_chars),
             args.seed,
-            {normalize(q) for q in EVERYDAY_PROMPTS},
+            {normalize(q) for q in handwritten},
         )
     if args.num_train > len(sg_train) or args.num_heldout > len(sg_held):
         raise ValueError(
