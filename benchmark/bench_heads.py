@@ -150,7 +150,9 @@ def prompt_sets(names: list[str], n: int) -> dict[str, list[str]]:
     make = {
         "sharegpt": lambda: sharegpt_heldout_questions(n),
         "old": lambda: heldout_questions(n),
-        "everyday": lambda: [EVERYDAY_PROMPTS[i * len(EVERYDAY_PROMPTS) // n] for i in range(n)],  # every kind
+        "everyday": lambda: [
+            EVERYDAY_PROMPTS[i * len(EVERYDAY_PROMPTS) // n] for i in range(n)
+        ],  # every kind
     }
     return {name: make[name]() for name in names}
 
@@ -221,6 +223,9 @@ def acceptance(args) -> dict:
                                 run["equal_to_plain"] = sum(a == b for a, b in zip(r["outputs"], plain[name]))
                             print(run, flush=True)
                             runs.append(run)
+                            write_results(
+                                args.name, {"partial": True, "runs": runs}
+                            )  # a cut run keeps its numbers
                 finally:
                     engine.shutdown()
     rows = []

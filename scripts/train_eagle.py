@@ -415,6 +415,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--algorithm", choices=("EAGLE3", "EAGLE"), required=True)
     ap.add_argument("--data", default="build/eagle")
+    ap.add_argument("--heldout", default="heldout", help="held-out split scored as 'held-out' (file stem)")
     ap.add_argument("--work", default=None, help="features cache, checkpoints (default: under --data)")
     ap.add_argument("--out", default=None, help="head directory (default: the package's shipped head)")
     ap.add_argument("--loss-png", default=None)
@@ -465,12 +466,14 @@ def main(argv: list[str] | None = None) -> dict:
     model_path = args.model_path or default_model_path()
     t_start = time.time()
 
-    names = ["train", "heldout"] + [
-        s for s in EXTRA_HELDOUT if os.path.exists(os.path.join(args.data, f"{s}.jsonl"))
+    names = ["train", args.heldout] + [
+        s
+        for s in ("heldout", *EXTRA_HELDOUT)
+        if s != args.heldout and os.path.exists(os.path.join(args.data, f"{s}.jsonl"))
     ]
     splits = {s: read_split(os.path.join(args.data, f"{s}.jsonl"), args.limit) for s in names}
     tcfg = load_or_extract(args, model_path, splits, device)
-    train, held = splits["train"], splits["heldout"]
+    train, held = splits["train"], splits[args.heldout]
     extra = {s: splits[s] for s in names[2:]}
     t_features = time.time() - t_start
 
@@ -482,8 +485,8 @@ def main(argv: list[str] | None = None) -> dict:
     hot = hot_ids_from_counts(counts, Vd)
     in_hot = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
     in_hot[hot] = True
-    coverage = {"train": float(counts[hot].sum() / counts.sum())}
-    for name, split in ({"heldout": held} | extra).items():
+    coverage = {"train": float(counts[hot].sum() / counts.sum())}  # the held-out splits' own, below
+    for name, split in ({args.heldout: held} | extra).items():
         resp = torch.cat([s[p:] for s, p in zip(split.ids, split.plen)])
         coverage[name] = float(in_hot[resp].float().mean())
 
@@ -581,7 +584,7 @@ def main(argv: list[str] | None = None) -> dict:
         "train_records": len(train.ids),
         "train_tokens": sum(len(s) for s in train.ids),
         "train_response_tokens": int(counts.sum()),
-        "heldout_records": {name: len(split.ids) for name, split in ({"heldout": held} | extra).items()},
+        "heldout_records": {name: len(split.ids) for name, split in ({args.heldout: held} | extra).items()},
         "draft_vocab_size": Vd,
         "draft_vocab_coverage": {k: round(v, 4) for k, v in coverage.items()},
         "steps": args.steps,
