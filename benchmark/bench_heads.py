@@ -183,6 +183,7 @@ def decode_set(
 def acceptance(args) -> dict:
     """Accept length of EAGLE-3 heads on every prompt set x tree shape x temperature x dtype (plus, greedy, plain
     decoding of the same prompts, so that fp32 exactness is checked on every set)."""
+    machine = machine_info()
     tok = load_tokenizer(default_model_path())
     sets = prompt_sets(args.sets, args.set_size)
     ids = {name: [chat_ids(tok, q) for q in qs] for name, qs in sets.items()}
@@ -223,9 +224,9 @@ def acceptance(args) -> dict:
                                 run["equal_to_plain"] = sum(a == b for a, b in zip(r["outputs"], plain[name]))
                             print(run, flush=True)
                             runs.append(run)
-                            write_results(
-                                args.name, {"partial": True, "runs": runs}
-                            )  # a cut run keeps its numbers
+                            # a cut run keeps its numbers
+                            partial = {"partial": True, "machine": machine, "args": vars(args), "runs": runs}
+                            write_results(args.name, partial)
                 finally:
                     engine.shutdown()
     rows = []

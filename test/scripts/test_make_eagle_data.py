@@ -98,6 +98,13 @@ def test_template_topics_are_disjoint_and_prompts_deterministic():
     assert len({p.id for p in prompts}) == len(prompts) == 464
     small = med.build_prompts(3, 2, heldout_frac=0.1, seed=0)
     assert [p.prompt for p in small if p.split == "train"] == [p.prompt for p in prompts[:3]]
+    # Without ShareGPT the plan is the template recipe alone, in its own order.
+    args = med.parse_args(
+        ["--sharegpt", "none", "--num-train", "0", "--num-heldout", "0", "--num-old-train", "400"]
+    )
+    files, _ = med.plan(args, None)
+    assert [p.prompt for p in files["train"]] == [p.prompt for p in prompts if p.split == "train"]
+    assert files["heldout"] == [] and [p.prompt for p in files["heldout_old"]] == med.heldout_questions(64)
 
 
 def test_done_ids_drops_a_line_cut_by_a_kill(tmp_path):
