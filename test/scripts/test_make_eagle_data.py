@@ -1,9 +1,12 @@
-"""scripts/make_eagle_data.py: held-out topics never reach training, and the responses are the target's own plain
-greedy tokens (never a speculative run's, which would tie the data to the head it trains)."""
+"""scripts/make_eagle_data.py: the ShareGPT reader survives a truncated file, held-out conversations never reach
+training, duplicates and the hand-written benchmark prompts are dropped, runs resume (also after a kill mid-line),
+and the responses are the target's own plain greedy tokens (never a speculative run's)."""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import make_eagle_data as med
 
@@ -11,20 +14,105 @@ from treepage.arg_groups.speculative import apply_default_server_speculation
 from treepage.entrypoints.engine import Engine
 from treepage.server_args import ServerArgs
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
+from everyday_prompts import EVERYDAY_PROMPTS  # noqa: E402
+
+WORDS = "cook travel bake write explain plan fix learn paint sing".split()
+
+
+def conv(cid: str, text: str, first: str = "human") -> dict:
+    return {"id": cid, "conversations": [{"from": first, "value": text}, {"from": "gpt", "value": "Sure."}]}
+
+
+def chat_corpus(n: int) -> list[dict]:
+    """n distinct English first turns, each conversation split in two parts as ShareGPT V3 does."""
+    out = []
+    for i in range(n):
+        text = f"Please {WORDS[i % 10]} something about item number {i} for me, and explain why."
+        out += [conv(f"c{i:04d}_0", text), conv(f"c{i:04d}_1", f"And what is the next step for item {i}?")]
+    return out
+
 
 def topics_of(p) -> set[str]:
     return set(p.topic.split(" / ")) if p.prompt.startswith("What is the difference") else {p.topic}
 
 
-def test_heldout_topics_are_disjoint_and_prompts_deterministic():
+def test_reader_keeps_every_complete_conversation_of_a_truncated_file():
+    convs = chat_corpus(3)
+    text = json.dumps(convs, indent=2)
+    whole = med.read_sharegpt(text)
+    assert whole.conversations == convs and not whole.truncated
+    cut = text[: text.index('"c0002_0"') + 40]  # inside the fifth record
+    part = med.read_sharegpt(cut)
+    assert part.truncated and part.conversations == convs[:4]
+    assert med.read_sharegpt(text[:-1]).conversations == convs  # only the closing bracket missing
+    assert med.read_sharegpt("[]").conversations == []
+
+
+def test_heldout_split_is_by_conversation_and_disjoint():
+    convs = chat_corpus(1000)
+    train, held, stats = med.sharegpt_prompts(convs, med.Filters(), seed=0)
+    assert stats["first_turns"] == 1000  # later parts (_1) open mid-dialogue and are not first turns
+    assert 5 <= len(held) <= 50 and len(train) + len(held) == 1000
+    assert not {p.topic for p in train} & {p.topic for p in held}
+    assert all(med.is_heldout(f"{p.topic}_1") for p in held)  # every part of a conversation on one side
+    # Assignment depends only on the id: a different seed or filter never moves a conversation across.
+    train2, held2, _ = med.sharegpt_prompts(convs[:600], med.Filters(max_chars=80), seed=1)
+    assert {p.topic for p in held2} <= {p.topic for p in held}
+    assert {p.topic for p in train2} <= {p.topic for p in train}
+    # Seeded order; a smaller request is a prefix of a larger one (mixing keeps that too).
+    assert [p.id for p in med.sharegpt_prompts(convs, med.Filters(), seed=0)[0]] == [p.id for p in train]
+    old = [med.Prompt(f"o{i}", "train", "t", "q") for i in range(50)]
+    big, small = med.mix(train[:300], old, 0.15), med.mix(train[:100], old[:18], 0.15)
+    assert [p.id for p in small] == [p.id for p in big[: len(small)]]
+    assert 0.12 < sum(p.id.startswith("o") for p in big[:200]) / 200 < 0.18
+
+
+def test_filters_and_dedup():
+    convs = [
+        conv("a_0", "How do I bake bread at home?"),
+        conv("b_0", "how do I bake BREAD at home ??"),  # same after normalization
+        conv("c_0", "ok"),  # too short
+        conv("d_0", "Wie backe ich Brot zu Hause? Bitte erklären Sie es mir."),  # not English
+        conv("e_0", "Can you write a " + "very " * 200 + "long story?"),  # too long
+        conv("f_0", "Hello there, are you a bot?", first="gpt"),  # does not open with the user
+        conv("g_0", EVERYDAY_PROMPTS[0].upper()),  # a hand-written benchmark prompt
+    ]
+    exclude = {med.normalize(q) for q in EVERYDAY_PROMPTS}
+    train, held, stats = med.sharegpt_prompts(convs, med.Filters(), seed=0, exclude=exclude)
+    assert [p.prompt for p in train + held] == ["How do I bake bread at home?"]
+    assert stats == {"records": 7, "first_turns": 6, "length_ok": 4, "english": 3, "unique": 1,
+                     "train_pool": len(train), "heldout_pool": len(held)}  # fmt: skip
+
+
+def test_handwritten_set_is_large_varied_and_distinct():
+    assert len(EVERYDAY_PROMPTS) >= 30
+    assert len({med.normalize(q) for q in EVERYDAY_PROMPTS}) == len(EVERYDAY_PROMPTS)
+
+
+def test_template_topics_are_disjoint_and_prompts_deterministic():
     prompts = med.build_prompts(400, 64, heldout_frac=0.1, seed=0)
     train = set().union(*(topics_of(p) for p in prompts if p.split == "train"))
     held = set().union(*(topics_of(p) for p in prompts if p.split == "heldout"))
     assert len(held) > 10 and not train & held
     assert len({p.id for p in prompts}) == len(prompts) == 464
-    # A smaller request is a prefix of a larger one, so resumed or extended runs keep their earlier prompts.
     small = med.build_prompts(3, 2, heldout_frac=0.1, seed=0)
     assert [p.prompt for p in small if p.split == "train"] == [p.prompt for p in prompts[:3]]
+    # Without ShareGPT the plan is the template recipe alone, in its own order.
+    args = med.parse_args(
+        ["--sharegpt", "none", "--num-train", "0", "--num-heldout", "0", "--num-old-train", "400"]
+    )
+    files, _ = med.plan(args, None)
+    assert [p.prompt for p in files["train"]] == [p.prompt for p in prompts if p.split == "train"]
+    assert files["heldout"] == [] and [p.prompt for p in files["heldout_old"]] == med.heldout_questions(64)
+
+
+def test_done_ids_drops_a_line_cut_by_a_kill(tmp_path):
+    path = tmp_path / "train.jsonl"
+    good = "".join(json.dumps({"id": f"r{i}", "output_ids": [i]}) + "\n" for i in range(3))
+    path.write_text(good + '{"id": "r3", "outp')
+    assert med.done_ids(str(path)) == {"r0", "r1", "r2"}
+    assert path.read_text() == good  # the cut record will be generated again, not left as a broken line
 
 
 def test_generator_never_speculates_with_the_default_model():
@@ -38,21 +126,36 @@ def test_generator_never_speculates_with_the_default_model():
 
 
 def test_responses_are_plain_greedy_and_reruns_resume(tmp_path):
-    argv = ["--out", str(tmp_path), "--num-train", "2", "--num-heldout", "1", "--max-new-tokens", "6",
-            "--dtype", "float32", "--batch-size", "2"]  # fmt: skip
+    sharegpt = tmp_path / "sg.json"
+    corpus = chat_corpus(300)
+    cut = json.dumps(corpus)[:-300]  # truncated, as the packaged file is
+    sharegpt.write_text(cut)
+    complete = max(i for i in range(len(corpus)) if len(json.dumps(corpus[:i])) - 1 <= len(cut))
+    out = tmp_path / "data"
+    argv = ["--out", str(out), "--sharegpt", str(sharegpt), "--num-train", "2", "--num-heldout", "1",
+            "--num-old-train", "1", "--num-heldout-old", "1", "--max-new-tokens", "6", "--dtype", "float32",
+            "--batch-size", "2"]  # fmt: skip
     manifest = med.main(argv)
-    assert manifest["splits"]["train"]["prompts"] == 2 and manifest["splits"]["heldout"]["prompts"] == 1
+    files = manifest["files"]
+    assert files["train"]["sources"] == {"sharegpt": 2, "pydoc": 1}
+    assert files["heldout"]["prompts"] == 1 and files["heldout_old"]["prompts"] == 1
+    assert manifest["sources"]["sharegpt"]["file_truncated"] and manifest["complete"]
+    assert manifest["sources"]["sharegpt"]["complete_conversations"] == complete
     assert manifest["decoding"].startswith("plain greedy")
     med.main(argv)  # resumes: nothing is generated twice
-    recs = [json.loads(line) for s in ("train", "heldout") for line in open(tmp_path / f"{s}.jsonl")]
-    assert len(recs) == 3
+    recs = [
+        json.loads(line) for s in ("train", "heldout", "heldout_old") for line in open(out / f"{s}.jsonl")
+    ]
+    assert len(recs) == len({r["id"] for r in recs}) == 5
+    held_conv = {r["topic"] for r in recs if r["source"] == "sharegpt" and r["split"] == "heldout"}
+    assert held_conv and not held_conv & {r["topic"] for r in recs if r["split"] == "train"}
     plain = ServerArgs(dtype="float32", speculative_algorithm="NONE", log_level="warning")
     with Engine(plain) as engine:
         for r in recs:
-            out = engine.generate(
+            got = engine.generate(
                 input_ids=r["input_ids"], sampling_params={"temperature": 0, "max_new_tokens": 6}
             )
-            assert out["output_ids"] == r["output_ids"]
+            assert got["output_ids"] == r["output_ids"]
         engine.wait_idle()
         mem = engine.memory_report()
         assert mem["used_pages"] == 0 and mem["used_rows"] == 0

@@ -111,7 +111,7 @@ def test_features_equal_engine_capture(tiny_llama3_dir):
 
 def write_data(d: pathlib.Path) -> None:
     g = torch.Generator().manual_seed(3)
-    for split, n in (("train", 6), ("heldout", 2)):
+    for split, n in (("train", 6), ("heldout", 2), ("heldout_old", 2)):
         with open(d / f"{split}.jsonl", "w") as f:
             for i in range(n):
                 p = 3 + i % 3
@@ -136,6 +136,8 @@ def test_training_resumes_exactly_and_writes_a_loadable_head(tiny_llama3_dir, tm
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     assert (tmp_path / "a.png").stat().st_size > 0 and straight["final_eval"]["step"] == 4
+    assert len(straight["final_eval"]["heldout_old"]["acc"]) == 2  # the second domain is evaluated too
+    assert straight["heldout_records"] == {"heldout": 2, "heldout_old": 2}
 
     # Trained, not initial: the head moved away from the warm start, and the engine's loader takes it.
     cfg = load_config(str(tmp_path / "a"))

@@ -1,0 +1,28 @@
+"""benchmark/bench_heads.py --acceptance: its three prompt sets are outside every head's training data."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmark"))
+
+import bench_heads  # noqa: E402
+import make_eagle_data as med  # noqa: E402
+from everyday_prompts import EVERYDAY_PROMPTS  # noqa: E402
+
+
+def test_acceptance_sets_are_held_out_and_varied():
+    sets = bench_heads.prompt_sets(["sharegpt", "old", "everyday"], 16)
+    assert all(len(qs) == 16 for qs in sets.values())
+    # The ShareGPT set is the generator's held-out list (what heldout.jsonl holds), never its training pool.
+    read, _ = med.load_packaged_sharegpt()
+    exclude = {med.normalize(q) for q in EVERYDAY_PROMPTS}
+    train, held, _ = med.sharegpt_prompts(read.conversations, med.Filters(), med.SEED, exclude)
+    assert sets["sharegpt"] == [p.prompt for p in held[:16]]
+    assert not {med.normalize(q) for q in sets["sharegpt"]} & {med.normalize(p.prompt) for p in train}
+    assert sets["old"] == med.heldout_questions(16)
+    # The hand-written subset spreads over the whole list (every kind), not just its first entries.
+    picked = [EVERYDAY_PROMPTS.index(q) for q in sets["everyday"]]
+    assert picked == sorted(set(picked)) and picked[-1] >= len(EVERYDAY_PROMPTS) - 3
