@@ -4,7 +4,7 @@ Ownership of `Req` fields (one writer each; everyone else only reads):
 
 | field                                   | written by                                             |
 |-----------------------------------------|--------------------------------------------------------|
-| rid, input_ids, sampling, sink, created, generator | `entrypoints/engine.py` (`Engine.submit`), once |
+| rid, input_ids, sampling, sink, created, generator, logits_processor | `entrypoints/engine.py` (`Engine.submit`), once |
 | row, allocated_len                      | `managers/admission.py` (admit), `managers/decode_planner.py` (reserve, release) |
 | cache_node, cache_len, cached_tokens    | `managers/admission.py` (prefix match), `managers/decode_planner.py` (release) |
 | kv_committed_len                        | `managers/scheduler.py`, from each `StepOutput`        |
@@ -12,7 +12,10 @@ Ownership of `Req` fields (one writer each; everyone else only reads):
 | detok                                   | `managers/output.py` (the request's incremental detokeniser) |
 
 A worker (`model_executor/worker.py`) reads a request and returns `StepOutput`s; state it keeps between rounds
-(a speculative worker's draft state) lives in the worker, keyed by `rid`, never on the request.
+(a speculative worker's draft state) lives in the worker, keyed by `rid`, never on the request. The one
+exception is the state inside `logits_processor` (penalty counts, grammar matchers): the object is set once by
+the engine, and its contents are advanced only by the worker that samples the request's tokens
+(`layers/logits_processor.py`).
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ class Req:
     spec_verify_ct: int = 0
     spec_accepted_drafts: int = 0
     detok: Any = None  # managers.detokenizer.IncrementalDetokenizer, created at the first output
+    logits_processor: Any = None  # layers.logits_processor.LogitsProcessorChain, or None (nothing to apply)
 
     @property
     def seq_len(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from treepage.core import Req
+from treepage.layers.logits_processor import process_logits
 
 GREEDY_TEMPERATURE_EPS = 1e-6  # temperatures at or below this are greedy requests
 
@@ -61,13 +62,19 @@ def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator 
     return out
 
 
+def sample_reqs(logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+    """One token per request from its row of logits, after the request's logits processors."""
+    logits = process_logits(logits, reqs)
+    return sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
+
+
 def sample_last(logits: torch.Tensor, reqs: list[Req], ends: list[int]) -> list[int | None]:
     """The next token of each request whose prefill reached its end; None for a chunk that did not (no random
     numbers are drawn for it, so chunking does not change a seeded request's samples)."""
     done = [i for i, (r, e) in enumerate(zip(reqs, ends)) if e == r.seq_len]
     if not done:
         return [None] * len(reqs)
-    picked = sample(logits[done], [reqs[i].sampling for i in done], [reqs[i].generator for i in done]).tolist()
+    picked = sample_reqs(logits[done], [reqs[i] for i in done])
     toks: list[int | None] = [None] * len(reqs)
     for i, t in zip(done, picked):
         toks[i] = t

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from treepage.core import Req, StepOutput
+from treepage.layers import logits_processor
 from treepage.layers.forward_batch import ForwardMode
-from treepage.layers.sampler import sample, sample_last
+from treepage.layers.sampler import sample_last, sample_reqs
 from treepage.model_executor.model_runner import ModelRunner
 from treepage.model_executor.worker import Worker
 
@@ -19,7 +20,9 @@ class TpWorker(Worker):
         ids = [r.all_ids()[a:e] for r, a, e in zip(reqs, starts, ends)]
         out = self.runner.forward(self.runner.extend_batch([r.row for r in reqs], ids, starts))
         assert out.logits is not None
+        logits_processor.sync(reqs)
         toks = sample_last(out.logits, reqs, ends)
+        logits_processor.commit(reqs, [[t] if t is not None else [] for t in toks])
         return [StepOutput([t] if t is not None else [], e) for t, e in zip(toks, ends)]
 
     def decode(self, reqs: list[Req]) -> list[StepOutput]:
@@ -29,7 +32,8 @@ class TpWorker(Worker):
         )
         out = self.runner.forward(fb)
         assert out.logits is not None
-        toks = sample(out.logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
+        toks = sample_reqs(out.logits, reqs)
+        logits_processor.commit(reqs, [[t] for t in toks])
         return [StepOutput([t], n) for t, n in zip(toks, lens)]
 
     def release(self, rids: list[str]) -> None:

@@ -53,6 +53,15 @@ class EagleTree:
     def num_nodes(self) -> int:
         return self.draft_tokens.shape[1]
 
+    def node_paths(self, b: int) -> list[list[int]]:
+        """Request b's drafted tokens from the root (exclusive) to each node (inclusive); [] for the root."""
+        parents = self.parent[b].tolist()
+        tokens = self.draft_tokens[b].tolist()
+        paths: list[list[int]] = []
+        for m, p in enumerate(parents):  # a parent always precedes its children
+            paths.append([] if p < 0 else paths[p] + [tokens[m]])
+        return paths
+
 
 def _log_probs(p: Tensor) -> Tensor:
     logp = torch.log(p.float())

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from treepage.core import Req, StepOutput
+from treepage.layers import logits_processor
 from treepage.layers.forward_batch import CaptureHidden, ForwardMode
-from treepage.layers.sampler import sample, sample_last
+from treepage.layers.sampler import sample_last, sample_reqs
 from treepage.model_executor.model_runner import ModelRunner
 from treepage.model_executor.worker import Worker
 from treepage.server_args import ServerArgs
@@ -170,7 +171,9 @@ class EagleWorker(Worker):
         fb = self.runner.extend_batch([r.row for r in reqs], chunks, starts, capture_hidden=self.capture)
         out = self.runner.forward(fb)
         assert out.logits is not None
+        logits_processor.sync(reqs)
         first = sample_last(out.logits, reqs, ends)
+        logits_processor.commit(reqs, [[t] if t is not None else [] for t in first])
         nxt = [(x + ([t] if t is not None else []))[a + 1 : e + 1] for x, t, a, e in zip(ids, first, starts, ends)]
         self._draft_extend(reqs, nxt, starts, out.features)
         return [StepOutput([t] if t is not None else [], e) for t, e in zip(first, ends)]
@@ -229,7 +232,8 @@ class EagleWorker(Worker):
         )
         out = self.runner.forward(fb)
         assert out.logits is not None
-        toks = sample(out.logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
+        toks = sample_reqs(out.logits, reqs)
+        logits_processor.commit(reqs, [[t] for t in toks])
         if self.off_draft_sync == "eager":
             self._draft_extend(reqs, [[t] for t in toks], L, out.features)
             return [StepOutput([t], n + 1) for t, n in zip(toks, L)]
@@ -313,6 +317,8 @@ class EagleWorker(Worker):
         verified = self.runner.forward(fb)
         logits, features = verified.logits, verified.features
         assert logits is not None
+        if any(r.logits_processor is not None for r in reqs):
+            logits = logits_processor.process_logits(logits, reqs, [tree.node_paths(b) for b in range(B)])
         res = self._verify(reqs, tree, logits, S)
         a = res.accept_len
         a_cpu = a.tolist()
@@ -332,6 +338,7 @@ class EagleWorker(Worker):
         tokens = [predict[b, : a_cpu[b]].tolist() for b in range(B)]
         feats = features[res.accept_index[valid]] if features is not None else None
         self._draft_extend(reqs, tokens, L_cpu, feats)
+        logits_processor.commit(reqs, tokens)
         self.debug.record(a_cpu, first_branch_of(tree, res.accepted_nodes).tolist())
         return [StepOutput(t, x + n, verified=True) for t, x, n in zip(tokens, L_cpu, a_cpu)]
 
