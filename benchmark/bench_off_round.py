@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
         for B in args.batch_sizes:
             for m in args.off_runs:
                 growth = (args.repeats + 1) * 2 * (m + spec.steps + 1)
-                with borrowed_batch(worker, prompt, B, growth) as reqs:
+                with borrowed_batch(worker, [prompt], B, growth) as reqs:
                     assert reqs is not None, "the KV pool cannot hold the batch"
                     alloc = [r.allocated_len for r in reqs]
                     per: dict[str, list[float]] = {"lazy": [], "eager": []}

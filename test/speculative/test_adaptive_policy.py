@@ -272,3 +272,57 @@ def test_start_up_exploration_serves_every_candidate():
     first = [p.choose(1) for _ in range(10)]
     assert sorted(first) == sorted([BIG, MID, CHAIN, ONE, OFF] * 2)
     assert p.choose(1) == max(p.candidates, key=lambda c: p.rate(c, 1))  # then the policy decides
+
+
+def test_served_time_at_the_nearest_batch_size_carries_over():
+    """Served rounds at batch 8 inform batch 7 (by the table's ratio between the two), before any round at 7."""
+    p = policy()
+    for _ in range(10):
+        p.observe(OFF, [], 8, 0.204)
+    t = table()
+    assert p.seconds(OFF, 7) == pytest.approx(p.seconds(OFF, 8) * t.seconds(OFF, 7) / t.seconds(OFF, 8))
+    p.observe(OFF, [], 2, 0.050)  # now batch 2 is the nearest served size for batch 3 (ratio 1.5 vs 2.67)
+    assert p.seconds(OFF, 3) == pytest.approx(p.seconds(OFF, 2) * t.seconds(OFF, 3) / t.seconds(OFF, 2))
+
+
+def test_a_new_load_level_probes_its_close_contenders_once():
+    """The load rises to batch 8, where the calibration (which stopped at batch 4) extrapolates OFF too slow and
+    MID looks best. After MID's first served round there, OFF (within the probe margin) runs once; its served
+    time shows it is faster and the policy switches at once, not 32 rounds later. A contender far below the
+    margin (BIG) is never probed."""
+    slow_off = {k: dict(v) for k, v in SECONDS.items()}
+    slow_off["off"] = {1: 0.030, 2: 0.050, 4: 0.100}  # calibration disturbed: OFF looks expensive at batch 8
+    p = AdaptivePolicy(
+        AdaptiveConfig([BIG, MID], probe_every=0, explore_rounds=0, hysteresis=0.05),
+        CostTable(slow_off, dict(PRIOR)),
+    )
+    p.accept[MID], p.accept[BIG] = 2.0, 1.5
+    p.current = MID
+    assert p.choose(8) == MID  # no round served at this load yet: the chosen shape runs first
+    for _ in range(20):  # MID's served time at batch 8 has converged to 0.312 s: 51 tok/s
+        p.observe(MID, [2] * 8, 8, 0.312)
+    rival = max((c for c in p.candidates if c != MID), key=lambda c: p.rate(c, 8))
+    assert rival == OFF and p.rate(OFF, 8) >= 0.7 * p.rate(MID, 8)
+    assert p.rate(BIG, 8) < 0.7 * p.rate(MID, 8)
+    assert p.choose(8) == OFF  # the probe, two rounds
+    p.observe(OFF, [], 8, 0.127)
+    assert p.choose(8) == OFF
+    p.observe(OFF, [], 8, 0.127)
+    # OFF's estimate at batch 8 came from an extrapolated table: the served rounds outweigh it
+    assert p.seconds(OFF, 8) == pytest.approx(0.127, rel=0.1)
+    assert p.choose(8) == OFF and p.current == OFF  # 63 tok/s measured vs MID's 51: switched
+    for _ in range(20):
+        assert p.choose(8) == OFF
+        p.observe(OFF, [], 8, 0.127)
+    assert p.rounds[BIG.label] == 0 and p.rounds[MID.label] == 1
+    # batch 7 is near 8: no new probes; batch 4 is not: its close contenders get a few rounds, once
+    assert p.choose(7) == OFF
+    for _ in range(2):
+        p.observe(OFF, [], 4, 0.07)
+    served = {OFF: 0.07, MID: 0.2}  # at batch 4: OFF 57 tok/s, MID 40
+    picks = []
+    for _ in range(10):
+        picks.append(p.choose(4))
+        p.observe(picks[-1], [2] * 4, 4, served[picks[-1]])
+    assert picks[:2] == [MID, MID] and picks[2:] == [OFF] * 8  # MID probed twice at the new level, then OFF
+    assert p.rounds[BIG.label] == 0

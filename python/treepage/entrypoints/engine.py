@@ -30,6 +30,14 @@ logger = logging.getLogger(__name__)
 
 Sink = Callable[[dict[str, Any]], None]
 
+# Everyday questions of different kinds (explanation, list, advice, code): adaptive speculation's accept prior.
+CALIBRATION_QUESTIONS = (
+    "Explain in a few sentences how a bicycle stays upright while it is moving.",
+    "Give me three ideas for a quick vegetarian dinner.",
+    "How should I prepare for a job interview next week?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+)
+
 
 def asyncio_sink(loop: asyncio.AbstractEventLoop, q: asyncio.Queue[dict[str, Any]]) -> Sink:
     """A sink that hands output deltas from the scheduler thread to a consumer on an event loop."""
@@ -84,7 +92,7 @@ class Engine:
         self.model_name = args.served_model_name or args.model_path
         if args.speculative_adaptive and not args.speculative_adaptive_debug_cycle:
             assert isinstance(self.worker, EagleWorker)
-            table = load_or_calibrate(self.worker, args, dtype, self._calibration_prompt())
+            table = load_or_calibrate(self.worker, args, dtype, self._calibration_prompts())
             self.worker.set_cost_table(table)
         self.scheduler = Scheduler(args, self.worker, self.tokenizer, self.eos_ids)
         self._thread = threading.Thread(
@@ -93,13 +101,15 @@ class Engine:
         self._thread.start()
         self.start_time = time.time()
 
-    def _calibration_prompt(self) -> list[int]:
-        """A general chat question: the accept lengths it yields are the adaptive policy's prior."""
-        question = "Explain in a few sentences how a bicycle stays upright while it is moving."
-        try:
-            return apply_chat_template(self.tokenizer, [{"role": "user", "content": question}])
-        except ValueError:
-            return list(self.tokenizer.encode(question))
+    def _calibration_prompts(self) -> list[list[int]]:
+        """General chat questions: the accept lengths they yield are the adaptive policy's prior."""
+        out = []
+        for question in CALIBRATION_QUESTIONS:
+            try:
+                out.append(apply_chat_template(self.tokenizer, [{"role": "user", "content": question}]))
+            except ValueError:
+                out.append(list(self.tokenizer.encode(question)))
+        return out
 
     # ---- requests ----------------------------------------------------------------------------------------------
     @property

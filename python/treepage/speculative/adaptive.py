@@ -48,7 +48,9 @@ class TreeShape:
 
 
 OFF = TreeShape(0, 1, 1)
-TIME_PRIOR_ROUNDS = 2.0  # the calibrated seconds count as this many served rounds
+TIME_PRIOR_ROUNDS = 2.0  # seconds calibrated at this very batch size count as this many served rounds
+DERIVED_PRIOR_ROUNDS = 0.5  # an estimate derived from other batch sizes (interpolated, extrapolated, carried)
+PROBE_ROUNDS = 2  # rounds a close contender serves at a new load level before it counts as measured there
 
 
 def max_tree_nodes(steps: int, topk: int) -> int:
@@ -95,6 +97,9 @@ class AdaptiveConfig:
     prior_rounds: float = 4.0  # the calibration prior counts as this many rounds before the EMA takes over
     probe_every: int = 32  # rounds between probes of the best other candidate (refreshes its estimates)
     explore_rounds: int = 4  # at start-up each candidate serves this many rounds, so served times exist
+    # a candidate never served near the current batch size is probed once there when its estimate is at least
+    # this fraction of the chosen shape's (a new load level is measured in its first rounds, not 32 later)
+    probe_margin: float = 0.7
 
     @staticmethod
     def load(path: str, configured: TreeShape) -> AdaptiveConfig:
@@ -110,6 +115,7 @@ class AdaptiveConfig:
             "prior_rounds",
             "probe_every",
             "explore_rounds",
+            "probe_margin",
         }
         unknown = set(raw) - known
         if unknown:
@@ -232,7 +238,10 @@ class AdaptivePolicy:
     the scheduler, longer contexts), is corrected within a few rounds. A shape that is never chosen would keep
     stale estimates forever (and OFF would never learn that the traffic became predictable), so every
     `probe_every` rounds the best other candidate (OFF included) runs once; before any choice, each candidate
-    serves `explore_rounds` rounds, so every shape's per-shape scale starts from served rounds.
+    serves `explore_rounds` rounds, so every shape's per-shape scale starts from served rounds. When the load
+    changes, the batch size moves to sizes no round has been served at: there, a candidate whose estimate comes
+    close to the chosen shape's (`probe_margin`) and that was never served near this size runs once, so the
+    decision at the new load rests on what rounds cost at that load.
     """
 
     def __init__(self, config: AdaptiveConfig, table: CostTable) -> None:
@@ -254,12 +263,39 @@ class AdaptivePolicy:
         return self.accept[shape] * batch / self.seconds(shape, batch)
 
     def seconds(self, shape: TreeShape, batch: int) -> float:
-        """Expected seconds of one round: what served rounds of this shape at this batch size took, else the
-        calibrated table scaled by what this shape's served rounds took at any batch size."""
+        """Expected seconds of one round: what served rounds of this shape at this batch size took; else what
+        they took at the nearest served batch size, carried over by the table's ratio between the two sizes;
+        else the calibrated table scaled by what this shape's served rounds took at any batch size."""
         served = self.served_log_seconds.get((shape, batch))
         if served is not None:
             return math.exp(served)
+        near = self._nearest_served(shape, batch)
+        if near is not None:
+            ratio = self.table.seconds(shape, batch) / self.table.seconds(shape, near)
+            return math.exp(self.served_log_seconds[(shape, near)]) * ratio
         return self.table.seconds(shape, batch) * math.exp(self.log_time_scale[shape])
+
+    def _nearest_served(self, shape: TreeShape, batch: int) -> int | None:
+        """The served batch size of this shape closest to `batch` in ratio (ties: the larger), or None."""
+        sizes = [b for (s, b) in self.served_log_seconds if s == shape]
+        if not sizes:
+            return None
+        return min(sizes, key=lambda b: (abs(math.log(b / batch)), -b))
+
+    def _served_near(self, shape: TreeShape, batch: int, rounds: int = 1) -> bool:
+        """At least `rounds` rounds of this shape were served at batch sizes within a factor 1.5 of `batch`."""
+        near = sum(n for (s, b), n in self.served.items() if s == shape and max(b, batch) <= 1.5 * min(b, batch))
+        return near >= rounds
+
+    def _unmeasured_rival(self, chosen: TreeShape, batch: int) -> TreeShape | None:
+        """The best candidate never served near this batch size whose estimate is within the probe margin."""
+        floor = self.config.probe_margin * self.rate(chosen, batch)
+        rivals = [
+            c
+            for c in self.candidates
+            if c != chosen and not self._served_near(c, batch, PROBE_ROUNDS) and self.rate(c, batch) >= floor
+        ]
+        return max(rivals, key=lambda c: self.rate(c, batch)) if rivals else None
 
     def _weight(self, n: int, prior_rounds: float) -> float:
         """A running mean that starts with the prior worth prior_rounds rounds, until it is an EMA."""
@@ -292,7 +328,10 @@ class AdaptivePolicy:
             )
             self.current = chosen
         self._since_probe += 1
-        if self.config.probe_every > 0 and self._since_probe >= self.config.probe_every:
+        rival = self._unmeasured_rival(chosen, batch_size) if self._served_near(chosen, batch_size) else None
+        if rival is not None:  # a new load level: measure the close contenders there before settling
+            chosen = rival
+        elif self.config.probe_every > 0 and self._since_probe >= self.config.probe_every:
             self._since_probe = 0
             others = [c for c in self.candidates if c != chosen]
             if others:
@@ -307,7 +346,8 @@ class AdaptivePolicy:
         log_s = math.log(max(seconds, 1e-6))
         key = (shape, batch)
         before = math.log(self.seconds(shape, batch))
-        w = self._weight(self.served[key], TIME_PRIOR_ROUNDS)
+        calibrated_here = batch in self.table.round_seconds.get(shape.label, {})
+        w = self._weight(self.served[key], TIME_PRIOR_ROUNDS if calibrated_here else DERIVED_PRIOR_ROUNDS)
         self.served[key] += 1
         self.served_log_seconds[key] = (1 - w) * before + w * log_s
         w = self._weight(self.timed[shape], TIME_PRIOR_ROUNDS)

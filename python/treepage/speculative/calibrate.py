@@ -1,6 +1,6 @@
 """Start-up calibration of adaptive speculation: time one round of every candidate shape (and OFF) at a few
-batch sizes on the machine the server runs on, and record the accept length each shape reaches on a chat prompt
-(the prior of the online estimate). The result is cached in a JSON file keyed by model, draft, device, dtype and
+batch sizes on the machine the server runs on, and record the accept length each shape reaches on a few chat
+prompts (the prior of the online estimate). The result is cached in a JSON file keyed by model, draft, device, dtype and
 torch version, so a restart reuses it (docs/design.md, "Adaptive speculation").
 
 The rounds run on rows borrowed from the shared pools before the scheduler starts; everything is returned.
@@ -35,7 +35,7 @@ from treepage.speculative.eagle_worker import EagleWorker, SpecDebugCounters
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 3  # part of the cache key: a change to what is measured invalidates old tables
+CALIBRATION_VERSION = 4  # part of the cache key: a change to what is measured invalidates old tables
 BATCH_SIZES = (1, 2, 4, 8, 16)
 TIMED_ROUNDS = 2  # per (batch, shape), after one warm-up round; the fastest is kept (the least disturbed by
 # other processes); served rounds correct the table online (AdaptivePolicy.seconds)
@@ -75,7 +75,7 @@ def load_or_calibrate(
     worker: EagleWorker,
     args: ServerArgs,
     dtype: torch.dtype,
-    prompt: list[int],
+    prompts: list[list[int]],
     budget_s: float | None = None,
 ) -> CostTable:
     """The pinned table (--speculative-adaptive-calibration), else the cached one for this key, else measure."""
@@ -89,7 +89,7 @@ def load_or_calibrate(
         return table
     if budget_s is None:
         budget_s = CUDA_BUDGET_S if worker.device.type == "cuda" else CPU_BUDGET_S
-    table = calibrate(worker, shapes, prompt, budget_s)
+    table = calibrate(worker, shapes, prompts, budget_s)
     table.key = key
     try:
         save_table(path, table)
@@ -99,9 +99,12 @@ def load_or_calibrate(
     return table
 
 
-def calibrate(worker: EagleWorker, shapes: list[TreeShape], prompt: list[int], budget_s: float) -> CostTable:
+def calibrate(
+    worker: EagleWorker, shapes: list[TreeShape], prompts: list[list[int]], budget_s: float
+) -> CostTable:
     """Seconds per round for each shape at batch sizes 1, 2, 4, ... while the budget lasts (a batch size is
-    skipped when it is predicted to overrun it), and each shape's mean accept length per request-round."""
+    skipped when it is predicted to overrun it), and each shape's mean accept length per request-round over
+    the rows of every batch (row i runs prompts[i % len(prompts)], so the prior is not one prompt's)."""
     t_start = time.perf_counter()
     seconds: dict[str, dict[int, float]] = {s.label: {} for s in shapes}
     accepts: dict[str, list[float]] = {s.label: [] for s in shapes}
@@ -111,7 +114,7 @@ def calibrate(worker: EagleWorker, shapes: list[TreeShape], prompt: list[int], b
         if B > 1 and time.perf_counter() - t_start + 2 * last > budget_s:
             break
         t_b = time.perf_counter()
-        measured = _measure_batch(worker, shapes, prompt, B)
+        measured = _measure_batch(worker, shapes, prompts, B)
         last = time.perf_counter() - t_b
         if measured is None:
             break
@@ -137,24 +140,24 @@ def calibrate(worker: EagleWorker, shapes: list[TreeShape], prompt: list[int], b
 
 
 def _measure_batch(
-    worker: EagleWorker, shapes: list[TreeShape], prompt: list[int], B: int
+    worker: EagleWorker, shapes: list[TreeShape], prompts: list[list[int]], B: int
 ) -> dict[str, tuple[float, list[float]]] | None:
-    """Prefill B copies of the prompt, run 1 + TIMED_ROUNDS passes over the shapes (OFF last in each pass: its
+    """Prefill B rows of the prompts, run 1 + TIMED_ROUNDS passes over the shapes (OFF last in each pass: its
     one-token draft catch-up lands in the next pass's first round, as it would when serving), free everything.
     None when the pools cannot hold the batch."""
     rounds = len(shapes) * (1 + TIMED_ROUNDS)
     grow = max(s.steps + 1 for s in shapes)
-    with borrowed_batch(worker, prompt, B, rounds * grow) as reqs:
+    with borrowed_batch(worker, prompts, B, rounds * grow) as reqs:
         if reqs is None:
             return None
-        need = reqs[0].allocated_len
+        need = [r.allocated_len for r in reqs]
         order = [s for s in shapes if not s.is_off] + [s for s in shapes if s.is_off]
         times: dict[str, list[float]] = {s.label: [] for s in order}
         accept: dict[str, list[float]] = {s.label: [] for s in order}
         for k in range(1 + TIMED_ROUNDS):  # shapes interleaved: a burst of contention hits all of them
             for shape in order:
                 t0 = time.perf_counter()
-                step = worker.run_round(reqs, [need] * B, shape)
+                step = worker.run_round(reqs, need, shape)
                 if worker.device.type == "cuda":
                     torch.cuda.synchronize(worker.device)
                 if k:
@@ -165,13 +168,15 @@ def _measure_batch(
 
 
 @contextmanager
-def borrowed_batch(worker: EagleWorker, prompt: list[int], B: int, growth: int) -> Iterator[list[Req] | None]:
-    """B prefilled copies of the prompt on rows that hold `growth` more tokens plus one round of the largest
-    shape; None when the pools cannot hold them. Rows, pages and worker state are returned on exit."""
+def borrowed_batch(
+    worker: EagleWorker, prompts: list[list[int]], B: int, growth: int
+) -> Iterator[list[Req] | None]:
+    """B prefilled rows, row i holding prompts[i % len(prompts)], that hold `growth` more tokens plus one round
+    of the largest shape; None when the pools cannot hold them. Rows, pages and worker state are returned on
+    exit."""
     pools = worker.pools
     P = worker.P
     touch = max(alloc_len_for_shape(P, s.topk, s.steps, s.draft_tokens) for s in worker.shapes)
-    need = min(len(prompt) + growth + touch + P, pools.req_to_token_pool.row_width)
     reqs: list[Req] = []
     try:
         ok = True
@@ -180,6 +185,8 @@ def borrowed_batch(worker: EagleWorker, prompt: list[int], B: int, growth: int) 
             if row is None:
                 ok = False
                 break
+            prompt = prompts[i % len(prompts)]
+            need = min(len(prompt) + growth + touch + P, pools.req_to_token_pool.row_width)
             r = Req(f"calibrate-{B}-{i}", list(prompt), SamplingParams(temperature=0.0), sink=lambda _: None)
             r.row = row
             reqs.append(r)
@@ -190,7 +197,7 @@ def borrowed_batch(worker: EagleWorker, prompt: list[int], B: int, growth: int) 
         if not ok:
             yield None
             return
-        worker.prefill(reqs, [len(prompt)] * B)
+        worker.prefill(reqs, [len(r.input_ids) for r in reqs])
         yield reqs
     finally:
         worker.release([r.rid for r in reqs])
