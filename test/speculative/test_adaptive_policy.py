@@ -124,7 +124,10 @@ def test_accept_estimate_moves_the_choice():
     p.observe(
         MID, [1, 2], 2, SECONDS[MID.label][2]
     )  # the first round weighs 1/9 against the prior's 8 rounds
-    assert p.accept[MID] == pytest.approx(2.4 + (1.5 - 2.4) / 9)
+    g = 1.0 + ((1.5 - 1.0) / (2.4 - 1.0) - 1.0) / 9  # the traffic factor after one round (prior: 8 rounds)
+    assert p.traffic == pytest.approx(g)
+    assert p.accept[MID] == pytest.approx((1.5 + 8 * (1 + 1.4 * g)) / 9)
+    assert p.accept[BIG] == pytest.approx(1 + 2.2 * g)  # never served: the prior scaled by the traffic
     p.accept[BIG] = 4.0
     assert p.choose(1) == BIG
     for _ in range(40):  # the traffic turns out unpredictable: one token per round
@@ -294,9 +297,8 @@ def test_a_new_load_level_probes_its_close_contenders_once():
     slow_off["off"] = {1: 0.030, 2: 0.050, 4: 0.100}  # calibration disturbed: OFF looks expensive at batch 8
     p = AdaptivePolicy(
         AdaptiveConfig([BIG, MID], probe_every=0, explore_rounds=0, hysteresis=0.05),
-        CostTable(slow_off, dict(PRIOR)),
+        CostTable(slow_off, {**PRIOR, MID.label: 2.0, BIG.label: 1.5}),
     )
-    p.accept[MID], p.accept[BIG] = 2.0, 1.5
     p.current = MID
     assert p.choose(8) == MID  # no round served at this load yet: the chosen shape runs first
     for _ in range(20):  # MID's served time at batch 8 has converged to 0.312 s: 51 tok/s
@@ -326,3 +328,23 @@ def test_a_new_load_level_probes_its_close_contenders_once():
         p.observe(picks[-1], [2] * 4, 4, served[picks[-1]])
     assert picks[:2] == [MID, MID] and picks[2:] == [OFF] * 8  # MID probed twice at the new level, then OFF
     assert p.rounds[BIG.label] == 0
+
+
+def test_rounds_of_one_shape_move_the_others_through_the_traffic_factor():
+    """The calibration prompts were less predictable than the traffic: served single-draft rounds accept 2.0 where
+    the prior said 1.6. Every shape's excess over one token scales with them (g = 1.0 / 0.6), so the deeper
+    shapes, never served, now win at batch 1; a shape's own rounds then take over its estimate."""
+    p = policy(hysteresis=0.0, ema=0.1, prior_rounds=4.0)
+    p.current = ONE
+    for _ in range(60):
+        p.observe(ONE, [2], 1, SECONDS[ONE.label][1])
+    assert p.traffic == pytest.approx(1 / 0.6, rel=0.02)
+    assert p.accept[BIG] == pytest.approx(1 + 2.2 / 0.6, rel=0.02)
+    best = p.choose(1)
+    assert best not in (ONE, OFF) and best.label == brute_best({s.label: a for s, a in p.accept.items()}, 1)
+    for _ in range(60):  # but that shape itself accepts only 1.5 on this traffic
+        p.observe(best, [1, 2], 1, SECONDS[best.label][1])
+    own_weight = 10 / (10 + 4)
+    shared = 1 + (PRIOR[best.label] - 1) * p.traffic
+    assert p.accept[best] == pytest.approx(own_weight * 1.5 + (1 - own_weight) * shared, rel=1e-6)
+    assert p.choose(1) != best

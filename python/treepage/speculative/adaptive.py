@@ -50,6 +50,7 @@ class TreeShape:
 OFF = TreeShape(0, 1, 1)
 TIME_PRIOR_ROUNDS = 2.0  # seconds calibrated at this very batch size count as this many served rounds
 DERIVED_PRIOR_ROUNDS = 0.5  # an estimate derived from other batch sizes (interpolated, extrapolated, carried)
+MIN_PRIOR_EXCESS = 0.05  # a prior this close to one token says nothing about how predictable the traffic is
 PROBE_ROUNDS = 2  # rounds a close contender serves at a new load level before it counts as measured there
 
 
@@ -230,8 +231,12 @@ class ShapePolicy(Protocol):
 class AdaptivePolicy:
     """argmax over candidates of E[accept] * B / t_round(shape, B), with hysteresis and occasional probes.
 
-    E[accept] is an EMA of the tokens emitted per request-round (accepted drafts + the bonus token), starting
-    from the calibration prior; OFF emits exactly one. t_round(shape, B) is an EMA (in log space, so one slow
+    E[accept] (tokens emitted per request-round: accepted drafts + the bonus token; OFF emits exactly one) blends
+    two estimates. The shape's own: an EMA of its served rounds. The shared one: the calibration prior's excess
+    over one token scaled by a traffic factor g, an EMA over the rounds of every shape of (accept - 1) /
+    (prior - 1). Predictability is a property of the traffic more than of the shape, so rounds of the shape that
+    is being served move every other shape's estimate too (the calibration prompts are not the traffic). The
+    blend weighs the shared estimate as `prior_rounds` rounds against at most 1 / `ema` of the shape's own. t_round(shape, B) is an EMA (in log space, so one slow
     outlier does not dominate) of the wall time of the rounds served with that shape at that batch size,
     starting from the calibrated table times a per-shape scale learnt the same way at any batch size: a
     calibration disturbed by other processes, or serving conditions it did not see (the overlap thread next to
@@ -248,7 +253,11 @@ class AdaptivePolicy:
         self.config = config
         self.candidates = list(config.candidates) + ([OFF] if config.include_off else [])
         self.table = table
-        self.accept = {c: (1.0 if c.is_off else table.prior_accept[c.label]) for c in self.candidates}
+        self.prior = {c: (1.0 if c.is_off else table.prior_accept[c.label]) for c in self.candidates}
+        self.accept = dict(self.prior)  # the blended E[accept] the policy ranks by
+        self.own_accept: dict[TreeShape, float] = {}  # EMA of each shape's served rounds
+        self.traffic = 1.0  # g: how much more (or less) predictable the traffic is than the calibration
+        self.traffic_rounds = 0
         self.rounds: Counter[str] = Counter()
         self.observed: Counter[TreeShape] = Counter()
         self.log_time_scale: dict[TreeShape, float] = dict.fromkeys(self.candidates, 0.0)
@@ -357,9 +366,27 @@ class AdaptivePolicy:
         if shape.is_off or not accept_lens:
             return
         mean = sum(accept_lens) / len(accept_lens)
-        w = self._weight(self.observed[shape], self.config.prior_rounds)
+        w = max(self.config.ema, 1.0 / (self.observed[shape] + 1))
         self.observed[shape] += 1
-        self.accept[shape] = (1 - w) * self.accept[shape] + w * mean
+        self.own_accept[shape] = (1 - w) * self.own_accept.get(shape, mean) + w * mean
+        excess = self.prior[shape] - 1.0
+        if excess > MIN_PRIOR_EXCESS:
+            w = self._weight(self.traffic_rounds, self.config.prior_rounds)
+            self.traffic_rounds += 1
+            self.traffic = (1 - w) * self.traffic + w * (mean - 1.0) / excess
+        for c in self.candidates:
+            if not c.is_off:
+                self.accept[c] = self.expected_accept(c)
+
+    def expected_accept(self, shape: TreeShape) -> float:
+        """The shared estimate (prior scaled by the traffic factor) blended with the shape's own served rounds."""
+        shared = 1.0 + (self.prior[shape] - 1.0) * self.traffic
+        own = self.own_accept.get(shape)
+        if own is None:
+            return shared
+        n = min(float(self.observed[shape]), 1.0 / self.config.ema)
+        k = self.config.prior_rounds
+        return (n * own + k * shared) / (n + k)
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -368,6 +395,7 @@ class AdaptivePolicy:
             "candidates": [c.label for c in self.candidates],
             "rounds": {c.label: self.rounds[c.label] for c in self.candidates},
             "accept_estimate": {c.label: round(a, 4) for c, a in self.accept.items()},
+            "traffic_factor": round(self.traffic, 4),
             "time_scale": {c.label: round(math.exp(x), 4) for c, x in self.log_time_scale.items()},
             "served_seconds": {
                 c.label: {

@@ -1,6 +1,6 @@
 """Start-up calibration of adaptive speculation: time one round of every candidate shape (and OFF) at a few
 batch sizes on the machine the server runs on, and record the accept length each shape reaches on a few chat
-prompts (the prior of the online estimate). The result is cached in a JSON file keyed by model, draft, device, dtype and
+prompts over their first ~100 tokens (the prior of the online estimate). The result is cached in a JSON file keyed by model, draft, device, dtype and
 torch version, so a restart reuses it (docs/design.md, "Adaptive speculation").
 
 The rounds run on rows borrowed from the shared pools before the scheduler starts; everything is returned.
@@ -35,10 +35,11 @@ from treepage.speculative.eagle_worker import EagleWorker, SpecDebugCounters
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 4  # part of the cache key: a change to what is measured invalidates old tables
+CALIBRATION_VERSION = 5  # part of the cache key: a change to what is measured invalidates old tables
 BATCH_SIZES = (1, 2, 4, 8, 16)
 TIMED_ROUNDS = 2  # per (batch, shape), after one warm-up round; the fastest is kept (the least disturbed by
 # other processes); served rounds correct the table online (AdaptivePolicy.seconds)
+ACCEPT_PASSES = 8  # rounds of every shape in the accept measurement (one row per calibration prompt)
 CPU_BUDGET_S = 20.0
 CUDA_BUDGET_S = 10.0
 
@@ -102,12 +103,11 @@ def load_or_calibrate(
 def calibrate(
     worker: EagleWorker, shapes: list[TreeShape], prompts: list[list[int]], budget_s: float
 ) -> CostTable:
-    """Seconds per round for each shape at batch sizes 1, 2, 4, ... while the budget lasts (a batch size is
-    skipped when it is predicted to overrun it), and each shape's mean accept length per request-round over
-    the rows of every batch (row i runs prompts[i % len(prompts)], so the prior is not one prompt's)."""
+    """Each shape's mean accept length (`_measure_accept`), then seconds per round for each shape at batch sizes
+    1, 2, 4, ... while the budget lasts (a batch size is skipped when it is predicted to overrun it)."""
     t_start = time.perf_counter()
+    prior = _measure_accept(worker, shapes, prompts)
     seconds: dict[str, dict[int, float]] = {s.label: {} for s in shapes}
-    accepts: dict[str, list[float]] = {s.label: [] for s in shapes}
     cap = min(worker.pools.req_to_token_pool.num_free(), max(BATCH_SIZES))
     last = 0.0  # seconds the previous batch size took; the next (twice as large) is predicted at twice that
     for B in [b for b in BATCH_SIZES if b <= cap]:
@@ -118,15 +118,13 @@ def calibrate(
         last = time.perf_counter() - t_b
         if measured is None:
             break
-        for label, (t, a) in measured.items():
+        for label, t in measured.items():
             # Monotone in the batch size: on a shared CPU a slow outlier at a small batch must not make a
             # larger batch look cheaper.
             seconds[label][B] = max([t, *seconds[label].values()])
-            accepts[label] += a
     worker.debug = SpecDebugCounters()  # server statistics start after calibration
     if not seconds[shapes[0].label]:
         raise RuntimeError("adaptive speculation: the KV pool cannot hold one calibration request")
-    prior = {label: (statistics.fmean(a) if a else 1.0) for label, a in accepts.items()}
     logger.info(
         "adaptive speculation calibrated in %.1fs: %s",
         time.perf_counter() - t_start,
@@ -139,12 +137,31 @@ def calibrate(
     return CostTable(seconds, prior)
 
 
+def _measure_accept(worker: EagleWorker, shapes: list[TreeShape], prompts: list[list[int]]) -> dict[str, float]:
+    """Mean tokens per request-round of each shape: one row per prompt, ACCEPT_PASSES passes of one round of
+    every shape in turn. A greedy continuation is deterministic, so a few passes would measure every shape at
+    the same handful of positions (a chain of 3 once came out below a single draft that way); many passes
+    spread each shape over the first ~100 tokens of every answer."""
+    spec = [s for s in shapes if not s.is_off]
+    growth = ACCEPT_PASSES * sum(s.steps + 1 for s in spec)
+    accepts: dict[str, list[float]] = {s.label: [] for s in spec}
+    with borrowed_batch(worker, prompts, len(prompts), growth) as reqs:
+        if reqs is None:
+            raise RuntimeError("adaptive speculation: the KV pool cannot hold the calibration prompts")
+        need = [r.allocated_len for r in reqs]
+        for _ in range(ACCEPT_PASSES):
+            for shape in spec:
+                accepts[shape.label] += [float(len(o.tokens)) for o in worker.run_round(reqs, need, shape)]
+    prior = {label: statistics.fmean(a) for label, a in accepts.items()}
+    return prior | {s.label: 1.0 for s in shapes if s.is_off}
+
+
 def _measure_batch(
     worker: EagleWorker, shapes: list[TreeShape], prompts: list[list[int]], B: int
-) -> dict[str, tuple[float, list[float]]] | None:
+) -> dict[str, float] | None:
     """Prefill B rows of the prompts, run 1 + TIMED_ROUNDS passes over the shapes (OFF last in each pass: its
     one-token draft catch-up lands in the next pass's first round, as it would when serving), free everything.
-    None when the pools cannot hold the batch."""
+    The fastest timed round of each shape; None when the pools cannot hold the batch."""
     rounds = len(shapes) * (1 + TIMED_ROUNDS)
     grow = max(s.steps + 1 for s in shapes)
     with borrowed_batch(worker, prompts, B, rounds * grow) as reqs:
@@ -153,18 +170,15 @@ def _measure_batch(
         need = [r.allocated_len for r in reqs]
         order = [s for s in shapes if not s.is_off] + [s for s in shapes if s.is_off]
         times: dict[str, list[float]] = {s.label: [] for s in order}
-        accept: dict[str, list[float]] = {s.label: [] for s in order}
         for k in range(1 + TIMED_ROUNDS):  # shapes interleaved: a burst of contention hits all of them
             for shape in order:
                 t0 = time.perf_counter()
-                step = worker.run_round(reqs, need, shape)
+                worker.run_round(reqs, need, shape)
                 if worker.device.type == "cuda":
                     torch.cuda.synchronize(worker.device)
                 if k:
                     times[shape.label].append(time.perf_counter() - t0)
-                    accept[shape.label] += [float(len(s.tokens)) for s in step]
-        out = {label: (min(times[label]), accept[label]) for label in times}
-        return out
+        return {label: min(t) for label, t in times.items()}
 
 
 @contextmanager
