@@ -207,6 +207,7 @@ class Scheduler:
         for r, out, end in zip(reqs, self.worker.prefill(reqs, ends), ends):
             r.kv_committed_len = out.committed_len
             if end < r.seq_len:
+                self.output.append(r, out)  # no token yet: only the chunk's prompt logprob entries, if any
                 self.prefilling = r
                 self.planner.cache_prefix(r)  # requests sharing this prompt can hit it before it finishes
                 continue
