@@ -123,6 +123,10 @@ def test_completions_logprobs_and_echo(client, tokenizer):
     echo_only = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, echo=True, **GREEDY_OAI)
     assert echo_only.choices[0].text == c.text and echo_only.choices[0].logprobs is None
 
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, logprobs=0, echo=True)
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:n_prompt], abs=TOL)
+
     stream = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=6, logprobs=2, echo=True, stream=True, **GREEDY_OAI
     )

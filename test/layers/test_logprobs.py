@@ -82,6 +82,20 @@ def test_prompt_and_output_logprobs_match_transformers(hf, plain):
             assert top[0][1] == out["output_ids"][j]  # greedy picks the top entry
 
 
+def test_prompt_scoring_with_no_new_tokens(hf, plain):
+    """max_new_tokens 0 with prompt logprobs (how evaluation harnesses score text): a prefill, no output."""
+    ids = make_prompts([14], seed=5)[0]
+    out = plain.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0
+    )
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    want = hf_logprobs(hf, ids)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    got = torch.tensor(values(out["meta_info"]["input_token_logprobs"][1:]))
+    assert torch.allclose(got, want, atol=TOL)
+    plain.wait_idle()
+    assert plain.memory_report()["used_rows"] == 0
+
+
 def test_logprob_start_len_bounds(plain):
     ids = make_prompts([10])[0]
     for start, count in [(-1, 0), (10, 0), (9, 1), (4, 6)]:

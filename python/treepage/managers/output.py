@@ -1,10 +1,11 @@
 """The output side of the scheduler: append a step's tokens, decide when a request stops, stream deltas.
 
 A consumer receives dicts `{"rid", "text_delta", "ids_delta", "finished", "meta_info"}`: only what is new, so a
-step costs time in proportion to its new tokens. A request that asks for logprobs also gets `logprobs_delta` (one
-`TokenLogprob` per id of ids_delta) and `input_logprobs_delta` (prompt entries, in position order from
-`logprob.start`, each position once even when a retraction makes the prompt run again). Text is streamed only once it is final: an incomplete UTF-8
+step costs time in proportion to its new tokens. Text is streamed only once it is final: an incomplete UTF-8
 character and a tail that could begin a stop string are held back (the stop string itself is never sent).
+A request that asks for logprobs also gets `logprobs_delta` (one `TokenLogprob` per id of ids_delta) and
+`input_logprobs_delta` (prompt entries in position order from `logprob.start`, each position once even when a
+retraction runs the prompt again).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class OutputProcessor:
         if out.input_logprobs:
             self._take_input_logprobs(r, out.input_logprobs_start, out.input_logprobs)
         sp = r.sampling
+        if sp.max_new_tokens == 0 and out.tokens:  # a prompt-scoring request: its prefill's token is not output
+            r.finished = FinishReason("length", matched=0)
+            return
         if r.first_token_time is None and out.tokens:
             r.first_token_time = time.monotonic()
         if out.verified and out.tokens:

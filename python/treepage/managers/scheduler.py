@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from treepage.core import FinishReason, Req
+from treepage.layers.logprobs import needs_prompt_logprobs
 from treepage.managers.admission import Admission
 from treepage.managers.decode_planner import DecodePlanner
 from treepage.managers.output import OutputProcessor
@@ -86,7 +87,7 @@ class Scheduler:
 
     # ---- called from other threads -------------------------------------------------------------------------
     def submit(self, req: Req) -> None:
-        if req.sampling.max_new_tokens == 0:
+        if req.sampling.max_new_tokens == 0 and not needs_prompt_logprobs(req):  # prompt scoring needs a prefill
             self.output.finish(req, FinishReason("length", matched=0))
             return
         limit = self.args.max_queued_requests
