@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from treepage.core import LogprobParams, Req, SamplingParams
 from treepage.entrypoints.engine import Engine
 from treepage.layers import logprobs as logprobs_module
 from treepage.server_args import ServerArgs
@@ -193,3 +194,26 @@ def test_no_logprob_work_unless_asked(tiny_llama_dir, monkeypatch):
             calls.clear()
         finally:
             eng.shutdown()
+
+
+def test_prefill_rows_after_a_partial_delivery():
+    """A prompt prefilled again after 5 of its entries were delivered (a retraction between chunks) computes
+    logits from position 4 on and labels its entries from position 5; the first prefill starts with token 0's
+    null entry. Pure functions on a real logits tensor."""
+    ids = list(range(3, 15))
+    logits = torch.randn(len(ids), 128)
+    for delivered, first_row, first_pos in [(0, 0, 0), (5, 4, 5)]:
+        r = Req("r", ids, SamplingParams(temperature=0.0), lambda d: None)
+        r.logprob, r.input_logprobs_len = LogprobParams(start=0), delivered
+        firsts = logprobs_module.prefill_logit_starts([r], [0], [len(ids)])
+        assert firsts == [first_row]
+        last, prompt = logprobs_module.split_prefill_logits(logits[first_row:], [r], [len(ids)], firsts)
+        assert torch.equal(last, logits[-1:])
+        pos0, entries = prompt[0]
+        assert pos0 == first_pos and [e.token for e in entries] == ids[first_pos:]
+        want = torch.log_softmax(logits, -1)[torch.arange(first_pos, len(ids)) - 1, torch.tensor(ids[first_pos:])]
+        got = [e.logprob for e in entries]
+        if first_pos == 0:
+            assert got[0] is None
+            got, want = got[1:], want[1:]
+        assert torch.allclose(torch.tensor(got), want, atol=1e-6)

@@ -423,7 +423,8 @@ def create_app(engine: Engine) -> FastAPI:
     async def completions(request: Request) -> Response:
         body: CompletionRequest = await _parse(request, CompletionRequest)
         _check_model(engine, body.model)
-        prompts = [_encode(engine, p) for p in body.prompts()]
+        raw_prompts = body.prompts()
+        prompts = [_encode(engine, p) for p in raw_prompts]
         if not prompts:
             raise ApiError(400, "Prompt cannot be empty")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
@@ -447,7 +448,8 @@ def create_app(engine: Engine) -> FastAPI:
         def choice(i: int, text: str, finish: str | None, matched: Any, entries: list[TokenLogprob]) -> dict:
             if i in echo_pending:
                 echo_pending.discard(i)
-                text = str(engine.tokenizer.decode(prompts[i])) + text
+                p = raw_prompts[i]
+                text = (p if isinstance(p, str) else str(engine.tokenizer.decode(p))) + text
                 entries = subs[i].output.input_logprobs + entries
             logprobs = None
             if lp is not None:

@@ -23,15 +23,15 @@ def wanted(reqs: Sequence[Req]) -> bool:
     return any(r.logprob is not None for r in reqs)
 
 
-def token_logprobs(logits: Tensor, reqs: Sequence[Req], tokens: Sequence[int | None]) -> list[TokenLogprob]:
-    """Row i of `logits` [R, V] is a position of request reqs[i] whose token is tokens[i] (None: no logprob)."""
+def token_logprobs(logits: Tensor, reqs: Sequence[Req], tokens: Sequence[int]) -> list[TokenLogprob]:
+    """Row i of `logits` [R, V] is the distribution request reqs[i] chose (or would choose) tokens[i] from."""
     if not reqs:
         return []
     dev = logits.device
     temps = torch.tensor([1.0 if r.sampling.greedy else r.sampling.temperature for r in reqs], device=dev)
     lp = torch.log_softmax(logits.float() / temps.unsqueeze(1), dim=-1)
     lp = lp.clamp(min=torch.finfo(torch.float32).min)
-    idx = torch.tensor([t if t is not None else 0 for t in tokens], dtype=torch.int64, device=dev)
+    idx = torch.tensor(list(tokens), dtype=torch.int64, device=dev)
     chosen = lp.gather(1, idx.unsqueeze(1)).squeeze(1).tolist()
     tops = [r.logprob.top_n if r.logprob is not None else 0 for r in reqs]
     k = max(tops)
@@ -42,7 +42,7 @@ def token_logprobs(logits: Tensor, reqs: Sequence[Req], tokens: Sequence[int | N
         top_vals, top_ids = vals.tolist(), ids.tolist()
     out = []
     for i, (r, t) in enumerate(zip(reqs, tokens)):
-        e = TokenLogprob(t if t is not None else -1, chosen[i] if t is not None else None)
+        e = TokenLogprob(t, chosen[i])
         if tops[i]:
             e.top = list(zip(top_vals[i][: tops[i]], top_ids[i][: tops[i]]))
         if r.logprob is not None and r.logprob.token_ids:
@@ -93,7 +93,6 @@ def prefill_logit_starts(reqs: Sequence[Req], starts: Sequence[int], ends: Seque
 def split_prefill_logits(
     logits: Tensor,
     reqs: Sequence[Req],
-    starts: Sequence[int],
     ends: Sequence[int],
     logit_starts: Sequence[int] | None,
 ) -> tuple[Tensor, list[tuple[int, list[TokenLogprob]] | None]]:
@@ -108,10 +107,10 @@ def split_prefill_logits(
     last = torch.tensor(counts, device=logits.device).cumsum(0) - 1
     rows: list[int] = []
     row_reqs: list[Req] = []
-    row_tokens: list[int | None] = []
+    row_tokens: list[int] = []
     spans: list[tuple[int, bool, int, int] | None] = []  # (first position, token 0 first, first row, rows)
     base = 0
-    for r, a, f, e, c in zip(reqs, starts, logit_starts, ends, counts):
+    for r, f, e, c in zip(reqs, logit_starts, ends, counts):
         if needs_prompt_logprobs(r):
             assert r.logprob is not None
             s, n, head = r.logprob.start, len(r.input_ids), len(rows)
@@ -120,7 +119,7 @@ def split_prefill_logits(
                     rows.append(base + q - f)
                     row_reqs.append(r)
                     row_tokens.append(r.input_ids[q + 1])
-            first_token = s == 0 and a == 0
+            first_token = s == 0 and f == 0  # the chunk starts the prompt and entry 0 is not delivered yet
             spans.append((0 if first_token else max(f + 1, s), first_token, head, len(rows) - head))
         else:
             spans.append(None)

@@ -21,7 +21,7 @@ class TpWorker(Worker):
         firsts = logprobs.prefill_logit_starts(reqs, starts, ends)
         out = self.runner.forward(self.runner.extend_batch([r.row for r in reqs], ids, starts, logit_starts=firsts))
         assert out.logits is not None
-        last, prompt_lps = logprobs.split_prefill_logits(out.logits, reqs, starts, ends, firsts)
+        last, prompt_lps = logprobs.split_prefill_logits(out.logits, reqs, ends, firsts)
         logits_processor.sync(reqs)
         toks, lps = sample_last(last, reqs, ends)
         logits_processor.commit(reqs, [[t] if t is not None else [] for t in toks])

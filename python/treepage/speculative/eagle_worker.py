@@ -174,7 +174,7 @@ class EagleWorker(Worker):
         )
         out = self.runner.forward(fb)
         assert out.logits is not None
-        last, prompt_lps = logprobs.split_prefill_logits(out.logits, reqs, starts, ends, firsts)
+        last, prompt_lps = logprobs.split_prefill_logits(out.logits, reqs, ends, firsts)
         logits_processor.sync(reqs)
         first, lps = sample_last(last, reqs, ends)
         logits_processor.commit(reqs, [[t] if t is not None else [] for t in first])
