@@ -6,12 +6,16 @@ included). The verify row of the accepted path's j-th node gives the j-th token'
 
 from __future__ import annotations
 
+import queue
 import random
 
 import pytest
+import torch
 
 from spec_utils import make_perturbed_copy, make_sharp_target
-from treepage.entrypoints.engine import Engine
+from treepage.core import LogprobParams
+from treepage.entrypoints.engine import CumulativeOutput, Engine
+from treepage.layers.logits_processor import LogitsProcessorChain, RequestLogitsProcessor
 from treepage.server_args import ServerArgs
 
 MAX_NEW = 24
@@ -119,3 +123,60 @@ def test_adaptive_cycle_logprobs_equal_plain(ckpts, reference, version, monkeypa
         assert eng.adaptive_report()["rounds"]["off"] > 0
     finally:
         eng.shutdown()
+
+
+class FollowBias(RequestLogitsProcessor):
+    """Path-dependent: +3 on the logit of (previous token + 1) mod V, the previous token being the last of the
+    accepted history + the row's path (the prompt's last token when both are empty)."""
+
+    def __init__(self, prompt_last: int) -> None:
+        self.prompt_last = prompt_last
+        self.history: list[int] = []
+
+    def apply(self, logits: torch.Tensor, paths) -> None:
+        for row, path in zip(logits, paths):
+            prev = ([self.prompt_last] + self.history + list(path))[-1]
+            row[(prev + 1) % row.shape[0]] += 3.0
+
+    def accept(self, tokens) -> None:
+        self.history.extend(tokens)
+
+    def reset(self) -> None:
+        self.history = []
+
+
+def run_with_processor(eng: Engine, ids: list[int]) -> CumulativeOutput:
+    q: queue.Queue = queue.Queue()
+    req = eng._make_req(ids, eng.make_sampling_params(SP), q.put, None, LogprobParams(top_n=3))
+    req.logits_processor = LogitsProcessorChain([FollowBias(ids[-1])])
+    eng.scheduler.submit(req)
+    acc = CumulativeOutput()
+    while not acc.finished:
+        acc.add(q.get(timeout=60))
+    return acc
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_reported_logprobs_follow_the_logits_processors(ckpts, version):
+    """Logprobs come from the processed logits (penalties, bias and grammar land there): with a path-dependent
+    processor, tree verify reports what plain decoding reports, and the bias shows in the values."""
+    ids = prompts()[2]
+    plain = Engine(ServerArgs(model_path=ckpts["target"], dtype="float32", page_size=4))
+    try:
+        ref = run_with_processor(plain, ids)
+        unbiased = plain.generate(input_ids=ids, sampling_params=SP, return_logprob=True)
+    finally:
+        plain.shutdown()
+    eng = spec_engine(ckpts, 8, 1, version)
+    try:
+        got = run_with_processor(eng, ids)
+        assert any(a >= 2 for a in eng.worker.debug.to_dict()["accept_len_hist"])  # entries from path rows
+    finally:
+        eng.shutdown()
+    assert got.output_ids == ref.output_ids
+    assert [e.logprob for e in got.output_logprobs] == pytest.approx([e.logprob for e in ref.output_logprobs], abs=TOL)
+    assert [[t for _, t in e.top] for e in got.output_logprobs] == [[t for _, t in e.top] for e in ref.output_logprobs]
+    plain_values = [e[0] for e in unbiased["meta_info"]["output_token_logprobs"]]
+    assert ref.output_ids != unbiased["output_ids"] or [e.logprob for e in ref.output_logprobs] != pytest.approx(
+        plain_values, abs=1e-3
+    )
