@@ -180,3 +180,28 @@ def test_reported_logprobs_follow_the_logits_processors(ckpts, version):
     assert ref.output_ids != unbiased["output_ids"] or [e.logprob for e in ref.output_logprobs] != pytest.approx(
         plain_values, abs=1e-3
     )
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_sampled_tokens_report_the_target_distribution(ckpts, version):
+    """Tree speculative sampling (T = 0.8, top_p 0.9): each emitted token's logprob is the target's
+    log_softmax(logits / T) at its position (transformers on the same checkpoint), whichever tree node or
+    residual draw produced it."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(ckpts["target"], dtype=torch.float32).eval()
+    sp = {"temperature": 0.8, "top_p": 0.9, "seed": 11, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+    eng = spec_engine(ckpts, 8, 1, version)
+    try:
+        outs = eng.generate(input_ids=prompts()[1:], sampling_params=sp, return_logprob=True)
+        assert any(a >= 2 for a in eng.worker.debug.to_dict()["accept_len_hist"])
+    finally:
+        eng.shutdown()
+    for ids, out in zip(prompts()[1:], outs):
+        full = ids + out["output_ids"]
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([full])).logits[0].float() / 0.8, dim=-1)
+        n = len(ids)
+        want = ref[torch.arange(n - 1, len(full) - 1), torch.tensor(out["output_ids"])]
+        got = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
+        assert torch.allclose(got, want, atol=TOL), (got - want).abs().max()
