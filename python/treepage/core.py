@@ -4,12 +4,13 @@ Ownership of `Req` fields (one writer each; everyone else only reads):
 
 | field                                   | written by                                             |
 |-----------------------------------------|--------------------------------------------------------|
-| rid, input_ids, sampling, sink, created, generator, logits_processor | `entrypoints/engine.py` (`Engine.submit`), once |
+| rid, input_ids, sampling, sink, created, generator, logits_processor, logprob | `entrypoints/engine.py` (`Engine.submit`), once |
 | row, allocated_len                      | `managers/admission.py` (admit), `managers/decode_planner.py` (reserve, release) |
 | cache_node, cache_len, cached_tokens    | `managers/admission.py` (prefix match), `managers/decode_planner.py` (release) |
 | kv_committed_len                        | `managers/scheduler.py`, from each `StepOutput`        |
 | output_ids, finished, first_token_time, spec_verify_ct, spec_accepted_drafts | `managers/output.py` |
 | detok                                   | `managers/output.py` (the request's incremental detokeniser) |
+| input_logprobs_len                      | `managers/output.py` (prompt logprob entries accepted so far) |
 
 A worker (`model_executor/worker.py`) reads a request and returns `StepOutput`s; state it keeps between rounds
 (a speculative worker's draft state) lives in the worker, keyed by `rid`, never on the request. The one
@@ -74,6 +75,42 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary [0, {vocab_size})")
 
 
+@dataclass(frozen=True)
+class LogprobParams:
+    """What a request asks for besides its tokens' own log-probabilities (set only when it asks at all).
+
+    `start`: first prompt position whose token gets an input logprob entry (-1: output tokens only);
+    `top_n`: how many of the most likely tokens to list per position; `token_ids`: ids whose logprobs are listed
+    at every position. The distribution is the one `layers/logprobs.py` documents.
+    """
+
+    start: int = -1
+    top_n: int = 0
+    token_ids: tuple[int, ...] = ()
+
+    def invalid_field(self, vocab_size: int, prompt_len: int) -> tuple[str, str] | None:
+        """(field, message fit for an HTTP 400) for the first out-of-range value, else None."""
+        if self.start != -1 and not 0 <= self.start <= prompt_len:
+            return "logprob_start_len", f"must be -1 or in [0, {prompt_len}] (the prompt length), got {self.start}"
+        if not 0 <= self.top_n <= vocab_size:
+            return "top_logprobs_num", f"must be in [0, {vocab_size}], got {self.top_n}"
+        for t in self.token_ids:
+            if not 0 <= t < vocab_size:
+                return "token_ids_logprob", f"entry {t} is outside the vocabulary [0, {vocab_size})"
+        return None
+
+
+@dataclass
+class TokenLogprob:
+    """One position: its token's log-probability (None for the first prompt token, which nothing predicts), the
+    `top_n` most likely tokens and the requested ids, each as (logprob, token id)."""
+
+    token: int
+    logprob: float | None
+    top: list[tuple[float, int]] = field(default_factory=list)
+    ids: list[tuple[float, int]] = field(default_factory=list)
+
+
 @dataclass
 class FinishReason:
     type: str  # "stop" | "length" | "abort"
@@ -98,6 +135,11 @@ class StepOutput:
     tokens: list[int]  # new tokens, in order (empty while an overlapped round is still in flight)
     committed_len: int  # positions whose target KV is final once these tokens are appended
     verified: bool = False  # the tokens come from a speculative verify round
+    # Only for requests with `Req.logprob` set: one entry per token of `tokens`, and the prompt entries this step
+    # computed, for prompt positions input_logprobs_start, input_logprobs_start + 1, ...
+    logprobs: list[TokenLogprob] | None = None
+    input_logprobs: list[TokenLogprob] | None = None
+    input_logprobs_start: int = 0
 
 
 @dataclass
@@ -121,6 +163,8 @@ class Req:
     spec_accepted_drafts: int = 0
     detok: Any = None  # managers.detokenizer.IncrementalDetokenizer, created at the first output
     logits_processor: Any = None  # layers.logits_processor.LogitsProcessorChain, or None (nothing to apply)
+    logprob: LogprobParams | None = None  # None: no logprobs asked, none computed
+    input_logprobs_len: int = 0  # prompt entries delivered so far (from position logprob.start on)
 
     @property
     def seq_len(self) -> int:

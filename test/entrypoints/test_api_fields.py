@@ -115,7 +115,6 @@ REFUSED_VALUES: dict[str, Any] = {
     "stop_regex": ["\\d"],
     "logit_bias": {"5": 10.0},
     "image_data": ["data:image/png;base64,AAAA"],
-    "logprobs": 1,  # completions; chat's boolean logprobs gets true
     "beam_width": 2,
     "sampling_logprobs_mode": "support",
     "suffix": " the end",
@@ -181,19 +180,19 @@ def test_unknown_field_is_still_refused(http, scope):
 
 def test_per_prompt_lists_of_neutral_values_are_neutral(http, baseline):
     body = {"text": ["hi", "hi"], "sampling_params": {"max_new_tokens": 4, **GREEDY},
-            "return_logprob": [False, False], "lora_path": [None, None]}  # fmt: skip
+            "return_hidden_states": [False, False], "lora_path": [None, None]}  # fmt: skip
     r = http.post("/generate", json=body)
     assert r.status_code == 200, r.text
     assert [o["text"] for o in r.json()] == [baseline[GENERATE]] * 2
-    body["return_logprob"] = [False, True]
+    body["return_hidden_states"] = [False, True]
     r = http.post("/generate", json=body)
-    assert r.status_code == 400 and r.json()["param"] == "return_logprob", r.text
+    assert r.status_code == 400 and r.json()["param"] == "return_hidden_states", r.text
 
 
 def test_json_types_are_not_confused(http):
     """false is not the neutral 0, and "1" is not the neutral 1."""
     for scope, name, value in [(SAMPLING, "frequency_penalty", False), (SAMPLING, "n", "1"),
-                               (CHAT, "logprobs", 0), (GENERATE, "return_hidden_states", 0)]:  # fmt: skip
+                               (CHAT, "return_token_ids", 0), (GENERATE, "return_hidden_states", 0)]:  # fmt: skip
         r = _post(http, scope, name, value)
         assert r.status_code == 400 and r.json()["param"] == name, (name, value, r.text)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from treepage.core import FinishReason, Req, SamplingParams, StepOutput
+from treepage.core import FinishReason, LogprobParams, Req, SamplingParams, StepOutput, TokenLogprob
 from treepage.entrypoints.engine import CumulativeOutput
 from treepage.managers.detokenizer import held_stop_prefix
 from treepage.managers.output import OutputProcessor
@@ -117,3 +117,29 @@ def test_held_stop_prefix() -> None:
     assert held_stop_prefix("hello", ["xyz"]) == 0
     assert held_stop_prefix("abab", ["bab!", "b"]) == 3  # the longest held tail wins: "bab"
     assert held_stop_prefix("", ["ab"]) == 0
+
+
+def test_prompt_logprobs_are_delivered_once_per_position(tokenizer: Any) -> None:
+    """Chunks hand their prompt entries over before the first token; a prefill that runs again (after a
+    retraction) repeats positions, which are dropped; output entries follow the ids, cut where the request stops."""
+    deltas: list[dict] = []
+    req = Req("r", list(range(10, 20)), SamplingParams(max_new_tokens=2, ignore_eos=True), deltas.append)
+    req.logprob = LogprobParams(start=2)
+    out = OutputProcessor(tokenizer, set(), 10_000, lambda n: None)
+
+    def entries(first: int, last: int) -> list[TokenLogprob]:
+        return [TokenLogprob(10 + p, -float(p)) for p in range(first, last)]
+
+    out.append(req, StepOutput([], 6, input_logprobs=entries(2, 6), input_logprobs_start=2))  # chunk [0, 6)
+    out.append(req, StepOutput([], 8, input_logprobs=entries(0, 8), input_logprobs_start=0))  # run again from 0
+    assert deltas == [] and req.input_logprobs_len == 6
+    first = [TokenLogprob(7, -0.5)]
+    out.append(req, StepOutput([7], 10, logprobs=first, input_logprobs=entries(8, 10), input_logprobs_start=8))
+    out.append(req, StepOutput([8, 9], 12, logprobs=[TokenLogprob(8, -1.0), TokenLogprob(9, -2.0)]))
+    out.finish(req)
+    acc = CumulativeOutput()
+    for d in deltas:
+        acc.add(d)
+    assert [e.token for e in acc.input_logprobs] == list(range(12, 20))
+    assert [e.logprob for e in acc.input_logprobs] == [-float(p) for p in range(2, 10)]
+    assert acc.output_ids == [7, 8] and [e.logprob for e in acc.output_logprobs] == [-0.5, -1.0]

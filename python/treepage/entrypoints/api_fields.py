@@ -97,7 +97,7 @@ OFF: tuple[Any, ...] = (None, False)
 EMPTY_LIST: tuple[Any, ...] = (None, [])
 EMPTY_DICT: tuple[Any, ...] = (None, {})
 
-LOGPROBS = "logprobs"
+LOGPROBS = "flat or raw logprob layouts and logprob modes"
 PARALLEL = "parallel sampling (n > 1)"
 PENALTIES = "penalties or logit_bias"
 GRAMMAR = "structured output (JSON schema / regex / EBNF grammars)"
@@ -106,21 +106,12 @@ PD = "prefill/decode disaggregation"
 
 # fmt: off
 INERT_FIELDS: tuple[InertField, ...] = (
-    # ---- logprobs ---------------------------------------------------------------------------------------------
-    _f("return_logprob", OFF, LOGPROBS, GENERATE),
-    _f("logprob_start_len", (None, -1), LOGPROBS, GENERATE),
-    _f("top_logprobs_num", (None, 0), LOGPROBS, GENERATE),
-    _f("token_ids_logprob", EMPTY_LIST, LOGPROBS, GENERATE),
-    _f("return_text_in_logprobs", OFF, LOGPROBS, GENERATE),
+    # ---- logprobs: flat/raw variants, modes and extra outputs (per-token logprobs are implemented) ---------
     _f("return_flat_raw_top_logprobs", OFF, LOGPROBS, GENERATE),
     _f("return_flat_raw_output_top_logprobs", OFF, LOGPROBS, GENERATE, CHAT),
     _f("return_flat_raw_top_logprobs_b64", (None, True, False), LOGPROBS, CHAT),  # only shapes absent logprobs
     _f("sampling_logprobs_mode", NULL, LOGPROBS, GENERATE, CHAT),
     _f("return_sampling_mask", OFF, "sampling-mask output", GENERATE, CHAT),
-    _f("logprobs", NULL, LOGPROBS, COMPLETION),
-    _f("logprobs", OFF, LOGPROBS, CHAT),
-    _f("top_logprobs", (None, 0), LOGPROBS, CHAT),
-    _f("echo", OFF, "echo of the prompt (it comes with logprobs)", COMPLETION),
     _f("suffix", (None, ""), "suffix insertion", COMPLETION),
     _f("return_entropy", OFF, "entropy output", GENERATE),
     # ---- n, penalties, logit_bias -----------------------------------------------------------------------------

@@ -16,7 +16,8 @@ import torch
 
 from treepage.arg_groups import dtype_choice, resolve_dtype, resolve_server_args
 from treepage.arg_groups.speculative import apply_default_server_speculation
-from treepage.core import Req, SamplingParams, new_rid
+from treepage.core import LogprobParams, Req, SamplingParams, TokenLogprob, new_rid
+from treepage.entrypoints.logprob_output import add_native_logprobs
 from treepage.managers.scheduler import Scheduler
 from treepage.managers.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
 from treepage.managers.worker_factory import build_worker
@@ -60,14 +61,23 @@ class CumulativeOutput:
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
     meta_info: dict[str, Any] = field(default_factory=dict)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id, when asked
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt entries from logprob.start on
 
     def add(self, delta: dict[str, Any]) -> None:
         self.rid, self.finished, self.meta_info = delta["rid"], delta["finished"], delta["meta_info"]
         self.text += delta["text_delta"]
         self.output_ids += delta["ids_delta"]
+        self.output_logprobs += delta.get("logprobs_delta", [])
+        self.input_logprobs += delta.get("input_logprobs_delta", [])
 
     def snapshot(self) -> dict[str, Any]:
-        return {**vars(self), "output_ids": list(self.output_ids)}
+        return {
+            **vars(self),
+            "output_ids": list(self.output_ids),
+            "output_logprobs": list(self.output_logprobs),
+            "input_logprobs": list(self.input_logprobs),
+        }
 
 
 class Engine:
@@ -147,17 +157,32 @@ class Engine:
                 f"{len(input_ids)} in the prompt + {sp.max_new_tokens} max_new_tokens"
             )
 
-    def _make_req(self, input_ids: list[int], sp: SamplingParams, sink: Sink, rid: str | None) -> Req:
+    def _make_req(
+        self, input_ids: list[int], sp: SamplingParams, sink: Sink, rid: str | None, logprob: LogprobParams | None
+    ) -> Req:
         self.check_prompt(input_ids, sp)
+        bad = logprob.invalid_field(self.vocab_size, len(input_ids)) if logprob is not None else None
+        if bad is not None:
+            raise ValueError(f"{bad[0]}: {bad[1]}")
         gen = None
         if not sp.greedy:
             gen = torch.Generator(device=self.args.device)
             gen.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-        return Req(rid or new_rid(), list(input_ids), sp, sink, generator=gen, created=time.monotonic())
+        req = Req(rid or new_rid(), list(input_ids), sp, sink, generator=gen, created=time.monotonic())
+        req.logprob = logprob
+        return req
 
-    def submit(self, input_ids: list[int], sp: SamplingParams, sink: Sink, rid: str | None = None) -> Req:
-        """Queue a request; `sink` receives its output deltas (managers/output.py) on the scheduler thread."""
-        req = self._make_req(input_ids, sp, sink, rid)
+    def submit(
+        self,
+        input_ids: list[int],
+        sp: SamplingParams,
+        sink: Sink,
+        rid: str | None = None,
+        logprob: LogprobParams | None = None,
+    ) -> Req:
+        """Queue a request; `sink` receives its output deltas (managers/output.py) on the scheduler thread.
+        `logprob`: the request's logprobs are computed and delivered only when it is given."""
+        req = self._make_req(input_ids, sp, sink, rid, logprob)
         self.scheduler.submit(req)
         return req
 
@@ -191,8 +216,14 @@ class Engine:
         prompt: str | list[str] | None = None,
         sampling_params: dict | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        token_ids_logprob: list[int] | None = None,
+        return_text_in_logprobs: bool = False,
     ) -> dict | list[dict]:
-        """Blocking generation, single or batched (a batch is submitted at once and decoded together)."""
+        """Blocking generation, single or batched (a batch is submitted at once and decoded together). With
+        return_logprob, meta_info carries SGLang's logprob lists (entrypoints/logprob_output.py)."""
         single = isinstance(prompt, str) or (
             input_ids is not None and (len(input_ids) == 0 or isinstance(input_ids[0], int))
         )
@@ -206,8 +237,11 @@ class Engine:
             batch_ids = list(cast(list[list[int]], input_ids))
         sp_list = [self.make_sampling_params(sampling_params) for _ in batch_ids]
         results: list[queue.Queue[dict[str, Any]]] = [queue.Queue() for _ in batch_ids]
+        lp = None
+        if return_logprob:
+            lp = LogprobParams(logprob_start_len, top_logprobs_num, tuple(token_ids_logprob or ()))
         for ids, sp, q in zip(batch_ids, sp_list, results):
-            self.submit(ids, sp, q.put)
+            self.submit(ids, sp, q.put, logprob=lp)
         outs = []
         for q in results:
             acc = CumulativeOutput()
@@ -219,7 +253,10 @@ class Engine:
                         raise RuntimeError(
                             "the scheduler thread has stopped; the engine cannot serve"
                         ) from None
-            outs.append(acc.snapshot())
+            snap = acc.snapshot()
+            if lp is not None:
+                add_native_logprobs(snap, lp, self.tokenizer, return_text_in_logprobs)
+            outs.append(snap)
         return outs[0] if single else outs
 
     def abort(self, rid: str) -> None:

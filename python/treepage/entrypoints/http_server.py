@@ -22,12 +22,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
+from treepage.core import LogprobParams, TokenLogprob
 from treepage.entrypoints.api_fields import UnsupportedField
 from treepage.entrypoints.engine import CumulativeOutput, asyncio_sink
+from treepage.entrypoints.logprob_output import add_native_logprobs, chat_logprobs, completion_logprobs
 from treepage.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    InvalidField,
     _Body,
     format_validation_error,
     openai_finish_reason,
@@ -79,13 +82,20 @@ def _sse(obj: dict) -> str:
 class _Submitted:
     """One request already queued in the scheduler; its output deltas arrive on the event loop."""
 
-    def __init__(self, engine: Engine, input_ids: list[int], sampling_params: Any, rid: str | None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        input_ids: list[int],
+        sampling_params: Any,
+        rid: str | None,
+        logprob: LogprobParams | None = None,
+    ) -> None:
         loop = asyncio.get_running_loop()
         self.engine = engine
         self.queue: asyncio.Queue[dict] = asyncio.Queue()
         self.output = CumulativeOutput()
         self.finished = False
-        self.req = engine.submit(input_ids, sampling_params, asyncio_sink(loop, self.queue), rid)
+        self.req = engine.submit(input_ids, sampling_params, asyncio_sink(loop, self.queue), rid, logprob)
 
     async def next(self) -> dict:
         """The cumulative snapshot after every delta that has arrived."""
@@ -100,20 +110,28 @@ class _Submitted:
             self.engine.abort(self.req.rid)
 
 
-def _submit(engine: Engine, items: list[tuple[list[int], dict, str | None]]) -> list[_Submitted]:
+def _submit(
+    engine: Engine,
+    items: list[tuple[list[int], dict, str | None]],
+    logprobs: list[LogprobParams | None] | None = None,
+) -> list[_Submitted]:
     """Validate every item first (so a bad one queues nothing), then queue them together."""
     checked = []
-    for ids, params, rid in items:
+    lps = logprobs or [None] * len(items)
+    for (ids, params, rid), lp in zip(items, lps):
         try:
             sp = engine.make_sampling_params(params)
         except TypeError as e:  # a value of the wrong type that slipped past the schema
             raise ApiError(400, f"invalid sampling parameters: {e}") from None
         engine.check_prompt(ids, sp)
-        checked.append((ids, sp, rid))
+        bad = lp.invalid_field(engine.vocab_size, len(ids)) if lp is not None else None
+        if bad is not None:
+            raise ApiError(400, f"{bad[0]}: {bad[1]}", param=bad[0])
+        checked.append((ids, sp, rid, lp))
     subs: list[_Submitted] = []
     try:
-        for ids, sp, rid in checked:
-            subs.append(_Submitted(engine, ids, sp, rid))
+        for ids, sp, rid, lp in checked:
+            subs.append(_Submitted(engine, ids, sp, rid, lp))
     except BaseException:
         _abort_all(subs)
         raise
@@ -240,15 +258,17 @@ def _total_usage(finals: list[dict]) -> dict[str, int]:
 
 async def _openai_events(
     subs: list[_Submitted],
-    chunk: Callable[[int, str, str | None, Any], dict],
+    chunk: Callable[[int, str, str | None, Any, list[TokenLogprob]], dict],
     head: dict,
     include_usage: bool,
     prelude: list[dict] | None = None,
 ) -> AsyncIterator[str]:
-    """OpenAI SSE: text deltas per choice, a finish chunk, an optional usage chunk, then [DONE]."""
+    """OpenAI SSE: text deltas per choice (with the logprob entries of the tokens new since the last chunk), a
+    finish chunk, an optional usage chunk, then [DONE]."""
     for obj in prelude or []:
         yield _sse(obj)
     sent = [""] * len(subs)
+    sent_lps = [0] * len(subs)
     totals = [(0, 0, 0)] * len(subs)
     async for i, out in _merged(subs):
         err = _abort_error(out)
@@ -260,9 +280,11 @@ async def _openai_events(
         totals[i] = (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"])
         delta = text[len(sent[i]) :]  # the scheduler streams only final text (never part of a stop string)
         sent[i] = text
+        entries = out["output_logprobs"][sent_lps[i] :]
+        sent_lps[i] += len(entries)
         finish, matched = openai_finish_reason(meta) if out["finished"] else (None, None)
-        if delta or finish:
-            yield _sse({**head, "choices": [chunk(i, delta, finish, matched)]})
+        if delta or finish or entries:
+            yield _sse({**head, "choices": [chunk(i, delta, finish, matched, entries)]})
     if include_usage:
         yield _sse(
             {**head, "choices": [], "usage": usage(*(sum(t[j] for t in totals) for j in range(3)))}
@@ -378,6 +400,10 @@ def create_app(engine: Engine) -> FastAPI:
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
         return JSONResponse(ApiError(400, str(exc)).body(), status_code=400)
 
+    @app.exception_handler(InvalidField)
+    async def _invalid_field(_: Request, exc: InvalidField) -> JSONResponse:
+        return JSONResponse(ApiError(400, str(exc), param=exc.field).body(), status_code=400)
+
     @app.exception_handler(QueueFullError)
     async def _queue_full(_: Request, exc: QueueFullError) -> JSONResponse:
         return JSONResponse(ApiError(503, str(exc)).body(), status_code=503)
@@ -397,25 +423,42 @@ def create_app(engine: Engine) -> FastAPI:
     async def completions(request: Request) -> Response:
         body: CompletionRequest = await _parse(request, CompletionRequest)
         _check_model(engine, body.model)
-        prompts = [_encode(engine, p) for p in body.prompts()]
+        raw_prompts = body.prompts()
+        prompts = [_encode(engine, p) for p in raw_prompts]
         if not prompts:
             raise ApiError(400, "Prompt cannot be empty")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         cid = f"cmpl-{uuid.uuid4().hex}"
         rids = _rids(body.rid or cid, len(prompts))
-        subs = _submit(engine, [(ids, body.sampling_params(max_tokens), r) for ids, r in zip(prompts, rids)])
+        lp = body.logprob_params()
+        items: list[tuple[list[int], dict, str | None]] = [
+            (ids, body.sampling_params(max_tokens), r) for ids, r in zip(prompts, rids)
+        ]
+        subs = _submit(engine, items, [lp] * len(items))
         head = {
             "id": cid,
             "object": "text_completion",
             "created": int(time.time()),
             "model": engine.model_name,
         }
+        # echo: the prompt's text (and, with logprobs, its entries) go first, in a stream with the first chunk
+        echo_pending = set(range(len(prompts))) if body.echo else set()
+        offsets = [0] * len(prompts)  # characters of each choice's text so far (logprobs' text_offset)
 
-        def choice(i: int, text: str, finish: str | None, matched: Any) -> dict:
+        def choice(i: int, text: str, finish: str | None, matched: Any, entries: list[TokenLogprob]) -> dict:
+            if i in echo_pending:
+                echo_pending.discard(i)
+                p = raw_prompts[i]
+                text = (p if isinstance(p, str) else str(engine.tokenizer.decode(p))) + text
+                entries = subs[i].output.input_logprobs + entries
+            logprobs = None
+            if lp is not None:
+                logprobs = completion_logprobs(entries, engine.tokenizer, lp.top_n, offsets[i])
+            offsets[i] += len(text)
             return {
                 "index": i,
                 "text": text,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish,
                 "matched_stop": matched,
             }
@@ -425,7 +468,10 @@ def create_app(engine: Engine) -> FastAPI:
             return _sse_response(events, subs)
         finals = await _collect_unless_gone(subs, request)
         _raise_on_abort(finals)
-        choices = [choice(i, f["text"], *openai_finish_reason(f["meta_info"])) for i, f in enumerate(finals)]
+        choices = [
+            choice(i, f["text"], *openai_finish_reason(f["meta_info"]), f["output_logprobs"])
+            for i, f in enumerate(finals)
+        ]
         return JSONResponse({**head, "choices": choices, "usage": _total_usage(finals)})
 
     @app.post("/v1/chat/completions")
@@ -444,16 +490,20 @@ def create_app(engine: Engine) -> FastAPI:
         if max_tokens is None:
             max_tokens = max(engine.context_len - len(ids), 0)  # up to the context, as OpenAI does
         cid = f"chatcmpl-{uuid.uuid4().hex}"
-        subs = _submit(engine, [(ids, body.sampling_params(max_tokens), body.rid or cid)])
+        lp = body.logprob_params()
+        subs = _submit(engine, [(ids, body.sampling_params(max_tokens), body.rid or cid)], [lp])
         created = int(time.time())
         head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name}
 
-        def chunk(i: int, text: str, finish: str | None, matched: Any) -> dict:
+        def logprobs_of(entries: list[TokenLogprob]) -> dict | None:
+            return chat_logprobs(entries, engine.tokenizer, lp.top_n) if lp is not None else None
+
+        def chunk(i: int, text: str, finish: str | None, matched: Any, entries: list[TokenLogprob]) -> dict:
             delta = {"content": text} if text else {}
             return {
                 "index": i,
                 "delta": delta,
-                "logprobs": None,
+                "logprobs": logprobs_of(entries) if entries else None,
                 "finish_reason": finish,
                 "matched_stop": matched,
             }
@@ -471,7 +521,7 @@ def create_app(engine: Engine) -> FastAPI:
         choice = {
             "index": 0,
             "message": message,
-            "logprobs": None,
+            "logprobs": logprobs_of(out["output_logprobs"]),
             "finish_reason": finish,
             "matched_stop": matched,
         }
@@ -507,10 +557,15 @@ def create_app(engine: Engine) -> FastAPI:
         if not prompts:
             raise ApiError(400, "Prompt cannot be empty")
         params, rids = body.per_item(len(prompts))
+        lps = body.logprob_params(len(prompts))
         ids = [_encode(engine, p) for p in prompts]
-        subs = _submit(engine, [(i, sp, r) for i, sp, r in zip(ids, params, rids)])
+        subs = _submit(engine, [(i, sp, r) for i, sp, r in zip(ids, params, rids)], lps)
+        with_text = bool(body.return_text_in_logprobs)
 
         def native(i: int, out: dict) -> dict:
+            lp = lps[i]
+            if lp is not None:
+                add_native_logprobs(out, lp, engine.tokenizer, with_text)
             res = _native(out)
             if body.return_prompt_token_ids:
                 res["prompt_token_ids"] = ids[i]

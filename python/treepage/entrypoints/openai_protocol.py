@@ -11,10 +11,20 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError, create_model
 
+from treepage.core import LogprobParams
 from treepage.entrypoints import api_fields
 from treepage.entrypoints.api_fields import CHAT, COMPLETION, GENERATE, SAMPLING, STREAM_OPTIONS
 
 MAX_ERRORS_SHOWN = 5
+MAX_OPENAI_TOP_LOGPROBS = 20  # OpenAI's chat limit, used for the completions' integer logprobs too
+
+
+class InvalidField(ValueError):
+    """A field whose value is well-typed but out of range; rendered as a 400 naming it."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"{name}: {message}")
+        self.field = name
 
 
 class _Body(BaseModel):
@@ -105,6 +115,16 @@ class _OpenAISampling(_Body):
 
 class CompletionRequest(_OpenAISampling, _InertCompletion):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None  # top-n per token (0: the chosen tokens' logprobs only)
+    echo: bool = False  # the prompt is prepended to the text (and its logprobs to the logprobs)
+
+    def logprob_params(self) -> LogprobParams | None:
+        n = self.logprobs
+        if n is None:
+            return None  # echo alone prepends the prompt's text: no logits needed
+        if not 0 <= n <= MAX_OPENAI_TOP_LOGPROBS:
+            raise InvalidField("logprobs", f"must be in [0, {MAX_OPENAI_TOP_LOGPROBS}], got {n}")
+        return LogprobParams(start=0 if self.echo else -1, top_n=n)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a batch: text items or token-id lists."""
@@ -137,6 +157,16 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_OpenAISampling, _InertChat):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = None
+
+    def logprob_params(self) -> LogprobParams | None:
+        top = self.top_logprobs
+        if top is not None and not 0 <= top <= MAX_OPENAI_TOP_LOGPROBS:
+            raise InvalidField("top_logprobs", f"must be in [0, {MAX_OPENAI_TOP_LOGPROBS}], got {top}")
+        if top and not self.logprobs:
+            raise InvalidField("top_logprobs", "needs logprobs set to true")
+        return LogprobParams(top_n=top or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -176,6 +206,33 @@ class GenerateRequest(_InertGenerate):
     rid: str | list[str] | None = None
     model: str | None = None  # sglang-router sends it; checked like the OpenAI routes' model
     return_prompt_token_ids: bool = False
+    # logprobs: one value for every prompt, or a list with one per prompt (SGLang's forms)
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: StrictInt | list[StrictInt] | None = None
+    top_logprobs_num: StrictInt | list[StrictInt] | None = None
+    token_ids_logprob: list[StrictInt] | list[list[StrictInt]] | None = None
+    return_text_in_logprobs: bool | None = None
+
+    def logprob_params(self, n: int) -> list[LogprobParams | None]:
+        """One per prompt; None where return_logprob is not set."""
+        ret = _per_prompt("return_logprob", self.return_logprob, n)
+        start = _per_prompt("logprob_start_len", self.logprob_start_len, n)
+        top = _per_prompt("top_logprobs_num", self.top_logprobs_num, n)
+        ids = self.token_ids_logprob
+        if ids and all(isinstance(x, list) for x in ids):
+            if len(ids) != n:
+                raise InvalidField("token_ids_logprob", f"has {len(ids)} lists for {n} prompts")
+            per_ids = [tuple(cast(list[int], x)) for x in ids]
+        else:
+            per_ids = [tuple(cast(list[int], ids or []))] * n
+        out: list[LogprobParams | None] = []
+        for r, s, t, i in zip(ret, start, top, per_ids):
+            if s is not None and s < -1:
+                raise InvalidField("logprob_start_len", f"must be -1 or a prompt position, got {s}")
+            if t is not None and t < 0:
+                raise InvalidField("top_logprobs_num", f"must be >= 0, got {t}")
+            out.append(LogprobParams(-1 if s is None else s, t or 0, i) if r else None)
+        return out
 
     def batch(self) -> tuple[bool, list[str | list[int]]]:
         """(is_single, prompts). Raises ValueError unless exactly one of text / input_ids is given."""
@@ -207,6 +264,14 @@ class GenerateRequest(_InertGenerate):
         else:
             rids = [rid] if n == 1 else [f"{rid}-{i}" if rid else None for i in range(n)]
         return params, rids
+
+
+def _per_prompt(name: str, value: Any, n: int) -> list[Any]:
+    if not isinstance(value, list):
+        return [value] * n
+    if len(value) != n:
+        raise InvalidField(name, f"has {len(value)} entries for {n} prompts")
+    return value
 
 
 def openai_finish_reason(meta: dict) -> tuple[str | None, int | str | None]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from treepage.core import Req
+from treepage.core import Req, TokenLogprob
 from treepage.layers.logits_processor import process_logits
+from treepage.layers.logprobs import chosen_logprobs
 
 GREEDY_TEMPERATURE_EPS = 1e-6  # temperatures at or below this are greedy requests
 
@@ -62,20 +63,25 @@ def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator 
     return out
 
 
-def sample_reqs(logits: torch.Tensor, reqs: list[Req]) -> list[int]:
-    """One token per request from its row of logits, after the request's logits processors."""
+def sample_reqs(logits: torch.Tensor, reqs: list[Req]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token per request from its row of logits, after the request's logits processors, and its logprob
+    entry from the same processed row when the request asks (layers/logprobs.py)."""
     logits = process_logits(logits, reqs)
-    return sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
+    toks: list[int] = sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
+    return toks, chosen_logprobs(logits, reqs, toks)
 
 
-def sample_last(logits: torch.Tensor, reqs: list[Req], ends: list[int]) -> list[int | None]:
-    """The next token of each request whose prefill reached its end; None for a chunk that did not (no random
-    numbers are drawn for it, so chunking does not change a seeded request's samples)."""
+def sample_last(
+    logits: torch.Tensor, reqs: list[Req], ends: list[int]
+) -> tuple[list[int | None], list[TokenLogprob | None]]:
+    """The next token (and logprob entry) of each request whose prefill reached its end; None for a chunk that
+    did not (no random numbers are drawn for it, so chunking does not change a seeded request's samples)."""
     done = [i for i, (r, e) in enumerate(zip(reqs, ends)) if e == r.seq_len]
-    if not done:
-        return [None] * len(reqs)
-    picked = sample_reqs(logits[done], [reqs[i] for i in done])
     toks: list[int | None] = [None] * len(reqs)
-    for i, t in zip(done, picked):
-        toks[i] = t
-    return toks
+    lps: list[TokenLogprob | None] = [None] * len(reqs)
+    if not done:
+        return toks, lps
+    picked, picked_lps = sample_reqs(logits[done], [reqs[i] for i in done])
+    for i, t, lp in zip(done, picked, picked_lps):
+        toks[i], lps[i] = t, lp
+    return toks, lps

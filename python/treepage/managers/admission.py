@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 from treepage.core import Req
+from treepage.layers.logprobs import first_prompt_logit, needs_prompt_logprobs
 from treepage.mem_cache.memory_pool import grow_row, write_row_pages
 from treepage.mem_cache.radix_cache import RadixCache
 from treepage.mem_cache.sizing import ceil_div
@@ -54,8 +55,12 @@ class Admission:
             req = waiting[0]
             n = req.seq_len
             ids = req.all_ids()
-            # A hit always leaves at least one token to prefill: the last position's logits give the next token.
-            match = cache.match_prefix(cache.key_of(ids)[: n - 1])
+            # A hit always leaves at least one token to prefill: the last position's logits give the next token;
+            # a request that wants prompt logprobs needs the logits of every position from its first entry on.
+            limit = n - 1
+            if needs_prompt_logprobs(req):
+                limit = min(limit, first_prompt_logit(req))
+            match = cache.match_prefix(cache.key_of(ids)[:limit])
             m = match.num_units(self.page_size)
             if admitted and (n - m > budget or self.chunked(n - m)):
                 break

@@ -3,6 +3,9 @@
 A consumer receives dicts `{"rid", "text_delta", "ids_delta", "finished", "meta_info"}`: only what is new, so a
 step costs time in proportion to its new tokens. Text is streamed only once it is final: an incomplete UTF-8
 character and a tail that could begin a stop string are held back (the stop string itself is never sent).
+A request that asks for logprobs also gets `logprobs_delta` (one `TokenLogprob` per id of ids_delta) and
+`input_logprobs_delta` (prompt entries in position order from `logprob.start`, each position once even when a
+retraction runs the prompt again).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from treepage.core import FinishReason, Req, StepOutput
+from treepage.core import FinishReason, Req, StepOutput, TokenLogprob
 from treepage.managers.detokenizer import IncrementalDetokenizer, held_stop_prefix
 
 logger = logging.getLogger(__name__)
@@ -26,10 +29,18 @@ class OutputProcessor:
         self.on_tokens = on_tokens  # throughput accounting
         self.held: dict[str, str] = {}  # rid -> decoded text not streamed yet
         self.last_ids: dict[str, list[int]] = {}  # rid -> ids of a finished request, delivered by finish()
+        self.logprobs: dict[str, list[TokenLogprob]] = {}  # rid -> entries of output ids not delivered yet
+        self.input_logprobs: dict[str, list[TokenLogprob]] = {}  # rid -> prompt entries not delivered yet
 
     def append(self, r: Req, out: StepOutput) -> None:
-        """Take a step's tokens up to the first that finishes the request; stream what is final."""
+        """Take a step's tokens up to the first that finishes the request; stream what is final. A chunk of a
+        chunked prefill has no tokens, only the prompt logprob entries it computed (sent with the first token)."""
+        if out.input_logprobs:
+            self._take_input_logprobs(r, out.input_logprobs_start, out.input_logprobs)
         sp = r.sampling
+        if sp.max_new_tokens == 0 and out.tokens:  # a prompt-scoring request: its prefill's token is not output
+            r.finished = FinishReason("length", matched=0)
+            return
         if r.first_token_time is None and out.tokens:
             r.first_token_time = time.monotonic()
         if out.verified and out.tokens:
@@ -47,9 +58,22 @@ class OutputProcessor:
                 r.finished = FinishReason("length", matched=len(r.output_ids))
         if not new:
             return
+        if out.logprobs is not None:
+            self.logprobs.setdefault(r.rid, []).extend(out.logprobs[: len(new)])
         self.on_tokens(len(new))
         text_ids = new[:-1] if r.finished is not None and r.finished.type == "stop" else new
         self._emit(r, new, text_ids)
+
+    def _take_input_logprobs(self, r: Req, first: int, entries: list[TokenLogprob]) -> None:
+        """Keep the entries of positions not taken yet: a prefill that runs again after a retraction repeats some."""
+        assert r.logprob is not None
+        expected = r.logprob.start + r.input_logprobs_len
+        if first > expected:
+            logger.error("%s: prompt logprobs from position %d, expected %d; dropped", r.rid, first, expected)
+            return
+        fresh = entries[expected - first :]
+        self.input_logprobs.setdefault(r.rid, []).extend(fresh)
+        r.input_logprobs_len += len(fresh)
 
     def _emit(self, r: Req, new_ids: list[int], text_ids: list[int]) -> None:
         if r.detok is None:
@@ -81,16 +105,18 @@ class OutputProcessor:
 
     def _deliver(self, r: Req, text: str, ids: list[int]) -> None:
         """Hand a delta to the request's consumer; a broken consumer must not take the batch down."""
+        delta = {
+            "rid": r.rid,
+            "text_delta": text,
+            "ids_delta": ids,
+            "finished": r.finished is not None,
+            "meta_info": self.meta_info(r),
+        }
+        if r.logprob is not None:
+            delta["logprobs_delta"] = self.logprobs.pop(r.rid, [])
+            delta["input_logprobs_delta"] = self.input_logprobs.pop(r.rid, [])
         try:
-            r.sink(
-                {
-                    "rid": r.rid,
-                    "text_delta": text,
-                    "ids_delta": ids,
-                    "finished": r.finished is not None,
-                    "meta_info": self.meta_info(r),
-                }
-            )
+            r.sink(delta)
         except Exception:
             logger.exception("output consumer of %s failed; aborting that request", r.rid)
             if r.finished is None:

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from treepage.core import FinishReason, Req
+from treepage.layers.logprobs import needs_prompt_logprobs
 from treepage.managers.admission import Admission
 from treepage.managers.decode_planner import DecodePlanner
 from treepage.managers.output import OutputProcessor
@@ -86,7 +87,7 @@ class Scheduler:
 
     # ---- called from other threads -------------------------------------------------------------------------
     def submit(self, req: Req) -> None:
-        if req.sampling.max_new_tokens == 0:
+        if req.sampling.max_new_tokens == 0 and not needs_prompt_logprobs(req):  # prompt scoring needs a prefill
             self.output.finish(req, FinishReason("length", matched=0))
             return
         limit = self.args.max_queued_requests
@@ -207,6 +208,7 @@ class Scheduler:
         for r, out, end in zip(reqs, self.worker.prefill(reqs, ends), ends):
             r.kv_committed_len = out.committed_len
             if end < r.seq_len:
+                self.output.append(r, out)  # no token yet: only the chunk's prompt logprob entries, if any
                 self.prefilling = r
                 self.planner.cache_prefix(r)  # requests sharing this prompt can hit it before it finishes
                 continue

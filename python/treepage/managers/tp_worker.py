@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from treepage.core import Req, StepOutput
-from treepage.layers import logits_processor
+from treepage.layers import logits_processor, logprobs
 from treepage.layers.forward_batch import ForwardMode
 from treepage.layers.sampler import sample_last, sample_reqs
 from treepage.model_executor.model_runner import ModelRunner
@@ -18,12 +18,14 @@ class TpWorker(Worker):
     def prefill(self, reqs: list[Req], ends: list[int]) -> list[StepOutput]:
         starts = [r.kv_committed_len for r in reqs]
         ids = [r.all_ids()[a:e] for r, a, e in zip(reqs, starts, ends)]
-        out = self.runner.forward(self.runner.extend_batch([r.row for r in reqs], ids, starts))
+        firsts = logprobs.prefill_logit_starts(reqs, starts, ends)
+        out = self.runner.forward(self.runner.extend_batch([r.row for r in reqs], ids, starts, logit_starts=firsts))
         assert out.logits is not None
+        last, prompt_lps = logprobs.split_prefill_logits(out.logits, reqs, ends, firsts)
         logits_processor.sync(reqs)
-        toks = sample_last(out.logits, reqs, ends)
+        toks, lps = sample_last(last, reqs, ends)
         logits_processor.commit(reqs, [[t] if t is not None else [] for t in toks])
-        return [StepOutput([t] if t is not None else [], e) for t, e in zip(toks, ends)]
+        return [logprobs.prefill_output(t, e, lp, p) for t, e, lp, p in zip(toks, ends, lps, prompt_lps)]
 
     def decode(self, reqs: list[Req]) -> list[StepOutput]:
         lens = [r.seq_len for r in reqs]
@@ -32,9 +34,9 @@ class TpWorker(Worker):
         )
         out = self.runner.forward(fb)
         assert out.logits is not None
-        toks = sample_reqs(out.logits, reqs)
+        toks, lps = sample_reqs(out.logits, reqs)
         logits_processor.commit(reqs, [[t] for t in toks])
-        return [StepOutput([t], n) for t, n in zip(toks, lens)]
+        return [StepOutput([t], n, logprobs=[lp] if lp else None) for t, n, lp in zip(toks, lens, lps)]
 
     def release(self, rids: list[str]) -> None:
         """Nothing is kept between steps."""

@@ -192,8 +192,10 @@ class ModelRunner:
         mode: ForwardMode = ForwardMode.EXTEND,
         input_hidden: torch.Tensor | None = None,
         capture_hidden: CaptureHidden = CaptureHidden.NONE,
+        logit_starts: list[int] | None = None,
     ) -> ForwardBatch:
-        """New tokens `ids[i]` at positions prefix_lens[i].. of row rows[i]; logits for each request's last token."""
+        """New tokens `ids[i]` at positions prefix_lens[i].. of row rows[i]; logits for each request's last token,
+        or for its positions logit_starts[i] .. last when given (prompt logprobs, layers/logprobs.py)."""
         rtt = self.pools.req_to_token_pool.req_to_token
         flat_ids: list[int] = []
         positions: list[int] = []
@@ -204,6 +206,15 @@ class ModelRunner:
             token_rows += [row] * len(toks)
         pos = self._tensor(positions)
         ext = [len(t) for t in ids]
+        if logit_starts is None:
+            logits_indices = self._tensor(ext).cumsum(0) - 1
+        else:
+            picked: list[int] = []
+            offset = 0
+            for p, n, first in zip(prefix_lens, ext, logit_starts):
+                picked += range(offset + first - p, offset + n)
+                offset += n
+            logits_indices = self._tensor(picked)
         return self.make_batch(
             mode=mode,
             input_ids=self._tensor(flat_ids),
@@ -212,7 +223,7 @@ class ModelRunner:
             req_rows=self._tensor(rows),
             prefix_lens=list(prefix_lens),
             extend_lens=ext,
-            logits_indices=self._tensor(ext).cumsum(0) - 1,
+            logits_indices=logits_indices,
             input_hidden=input_hidden,
             capture_hidden=capture_hidden,
         )

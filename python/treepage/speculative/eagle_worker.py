@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from treepage.core import Req, StepOutput
-from treepage.layers import logits_processor
+from treepage.layers import logits_processor, logprobs
 from treepage.layers.forward_batch import CaptureHidden, ForwardMode
 from treepage.layers.sampler import sample_last, sample_reqs
 from treepage.model_executor.model_runner import ModelRunner
@@ -168,15 +168,19 @@ class EagleWorker(Worker):
         starts = [r.kv_committed_len for r in reqs]
         ids = [r.all_ids() for r in reqs]
         chunks = [x[a:e] for x, a, e in zip(ids, starts, ends)]
-        fb = self.runner.extend_batch([r.row for r in reqs], chunks, starts, capture_hidden=self.capture)
+        firsts = logprobs.prefill_logit_starts(reqs, starts, ends)
+        fb = self.runner.extend_batch(
+            [r.row for r in reqs], chunks, starts, capture_hidden=self.capture, logit_starts=firsts
+        )
         out = self.runner.forward(fb)
         assert out.logits is not None
+        last, prompt_lps = logprobs.split_prefill_logits(out.logits, reqs, ends, firsts)
         logits_processor.sync(reqs)
-        first = sample_last(out.logits, reqs, ends)
+        first, lps = sample_last(last, reqs, ends)
         logits_processor.commit(reqs, [[t] if t is not None else [] for t in first])
         nxt = [(x + ([t] if t is not None else []))[a + 1 : e + 1] for x, t, a, e in zip(ids, first, starts, ends)]
         self._draft_extend(reqs, nxt, starts, out.features)
-        return [StepOutput([t] if t is not None else [], e) for t, e in zip(first, ends)]
+        return [logprobs.prefill_output(t, e, lp, p) for t, e, lp, p in zip(first, ends, lps, prompt_lps)]
 
     # ---- draft model helpers ----------------------------------------------------------------------------------
     def _draft_topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,18 +236,19 @@ class EagleWorker(Worker):
         )
         out = self.runner.forward(fb)
         assert out.logits is not None
-        toks = sample_reqs(out.logits, reqs)
+        toks, lps = sample_reqs(out.logits, reqs)
         logits_processor.commit(reqs, [[t] for t in toks])
+        outs = [StepOutput([t], n + 1, logprobs=[lp] if lp else None) for t, n, lp in zip(toks, L, lps)]
         if self.off_draft_sync == "eager":
             self._draft_extend(reqs, [[t] for t in toks], L, out.features)
-            return [StepOutput([t], n + 1) for t, n in zip(toks, L)]
+            return outs
         for i, (s, t) in enumerate(zip(states, toks)):
             s.catchup_tokens.append(t)
             if out.features is not None:
                 s.catchup_features.append(out.features[i])
             s.committed += 1
             s.root = t
-        return [StepOutput([t], n + 1) for t, n in zip(toks, L)]
+        return outs
 
     @torch.inference_mode()
     def run_round(
@@ -340,7 +345,23 @@ class EagleWorker(Worker):
         self._draft_extend(reqs, tokens, L_cpu, feats)
         logits_processor.commit(reqs, tokens)
         self.debug.record(a_cpu, first_branch_of(tree, res.accepted_nodes).tolist())
-        return [StepOutput(t, x + n, verified=True) for t, x, n in zip(tokens, L_cpu, a_cpu)]
+        outs = [StepOutput(t, x + n, verified=True) for t, x, n in zip(tokens, L_cpu, a_cpu)]
+        if logprobs.wanted(reqs):
+            self._path_logprobs(reqs, outs, logits, res.accept_index)
+        return outs
+
+    @staticmethod
+    def _path_logprobs(reqs: list[Req], outs: list[StepOutput], logits: torch.Tensor, rows: torch.Tensor) -> None:
+        """The target's logprobs of the emitted tokens: the j-th comes from the verify row of the accepted path's
+        j-th node (the processed logits the round chose from), as a plain decode step would compute it."""
+        ask = [b for b, r in enumerate(reqs) if r.logprob is not None]
+        picked = torch.cat([rows[b, : len(outs[b].tokens)] for b in ask])
+        entries = logprobs.token_logprobs(
+            logits[picked], [reqs[b] for b in ask for _ in outs[b].tokens], [t for b in ask for t in outs[b].tokens]
+        )
+        for b in ask:
+            n = len(outs[b].tokens)
+            outs[b].logprobs, entries = entries[:n], entries[n:]
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.int64, device=self.device)
