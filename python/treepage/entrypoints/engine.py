@@ -17,6 +17,7 @@ import torch
 from treepage.arg_groups import dtype_choice, resolve_dtype, resolve_server_args
 from treepage.arg_groups.speculative import apply_default_server_speculation
 from treepage.core import Req, SamplingParams, new_rid
+from treepage.layers.penalties import build_chain
 from treepage.managers.scheduler import Scheduler
 from treepage.managers.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
 from treepage.managers.worker_factory import build_worker
@@ -143,7 +144,16 @@ class Engine:
         if not sp.greedy:
             gen = torch.Generator(device=self.args.device)
             gen.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-        return Req(rid or new_rid(), list(input_ids), sp, sink, generator=gen, created=time.monotonic())
+        chain = build_chain(sp, self.eos_ids, self.vocab_size, self.args.device)
+        return Req(
+            rid or new_rid(),
+            list(input_ids),
+            sp,
+            sink,
+            generator=gen,
+            created=time.monotonic(),
+            logits_processor=chain,
+        )
 
     def submit(self, input_ids: list[int], sp: SamplingParams, sink: Sink, rid: str | None = None) -> Req:
         """Queue a request; `sink` receives its output deltas (managers/output.py) on the scheduler thread."""

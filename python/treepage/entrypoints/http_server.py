@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
+from treepage.core import SamplingParamError
 from treepage.entrypoints.api_fields import UnsupportedField
 from treepage.entrypoints.engine import CumulativeOutput, asyncio_sink
 from treepage.entrypoints.openai_protocol import (
@@ -376,7 +377,8 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return JSONResponse(ApiError(400, str(exc)).body(), status_code=400)
+        param = exc.param if isinstance(exc, SamplingParamError) else None
+        return JSONResponse(ApiError(400, str(exc), param=param).body(), status_code=400)
 
     @app.exception_handler(QueueFullError)
     async def _queue_full(_: Request, exc: QueueFullError) -> JSONResponse:

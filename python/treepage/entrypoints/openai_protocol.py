@@ -71,6 +71,9 @@ class StreamOptions(_InertStreamOptions):
     include_usage: bool = False
 
 
+_PENALTY_KEYS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")
+
+
 class _OpenAISampling(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names + SGLang extras)."""
 
@@ -88,14 +91,21 @@ class _OpenAISampling(_Body):
     seed: StrictInt | None = None
     user: str | None = None  # OpenAI's end-user id: informational only
     rid: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+    min_tokens: StrictInt | None = None  # SGLang's min_new_tokens
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         sp: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": self.ignore_eos}
         sp["skip_special_tokens"] = self.skip_special_tokens
-        for key in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids"):
+        for key in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", *_PENALTY_KEYS):
             value = getattr(self, key)
             if value is not None:
                 sp[key] = value
+        if self.min_tokens is not None:
+            sp["min_new_tokens"] = self.min_tokens
         return sp
 
     @property
@@ -156,6 +166,11 @@ class NativeSamplingParams(_InertSampling):
     skip_special_tokens: bool | None = None
     seed: StrictInt | None = None
     sampling_seed: StrictInt | None = None  # SGLang's name for seed
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_new_tokens: StrictInt | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The engine's sampling params; None means 'use the default', as in SGLang. Inert fields are neutral
