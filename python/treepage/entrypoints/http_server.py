@@ -33,6 +33,7 @@ from treepage.entrypoints.openai_protocol import (
     format_validation_error,
     openai_finish_reason,
     usage,
+    validation_error_param,
 )
 from treepage.managers.scheduler import QueueFullError
 from treepage.managers.tokenizer import apply_chat_template
@@ -208,7 +209,7 @@ async def _parse(request: Request, model: type[_Body]) -> Any:
         body = model.model_validate_json(raw)
         body.check_inert()
     except ValidationError as e:
-        raise ApiError(400, format_validation_error(e)) from None
+        raise ApiError(400, format_validation_error(e), param=validation_error_param(e)) from None
     except UnsupportedField as e:
         raise ApiError(400, str(e), param=e.field) from None
     return body

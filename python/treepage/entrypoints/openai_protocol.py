@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError, create_model
 
+from treepage.core import SamplingParamError
 from treepage.entrypoints import api_fields
 from treepage.entrypoints.api_fields import CHAT, COMPLETION, GENERATE, SAMPLING, STREAM_OPTIONS
 
@@ -51,6 +52,18 @@ def format_validation_error(exc: ValidationError) -> str:
         parts.append(f"{loc}: {e['msg']}")
     more = len(errors) - MAX_ERRORS_SHOWN
     return "; ".join(parts) + (f"; ... and {more} more" if more > 0 else "")
+
+
+def validation_error_param(exc: ValidationError) -> str | None:
+    """The request field the first problem is about (the innermost one on its path), for the 400's "param"."""
+    errors = exc.errors(include_url=False)
+    names = _request_field_names()
+    return next((x for x in reversed(errors[0]["loc"]) if isinstance(x, str) and x in names), None) if errors else None
+
+
+def _request_field_names() -> set[str]:
+    bodies = (GenerateRequest, NativeSamplingParams, CompletionRequest, ChatCompletionRequest, ChatMessage)
+    return {name for body in (*bodies, StreamOptions, TextPart) for name in body.model_fields}
 
 
 if TYPE_CHECKING:  # the type checker sees the plain base; at run time each base declares its scope's inert fields
@@ -105,6 +118,10 @@ class _OpenAISampling(_Body):
             if value is not None:
                 sp[key] = value
         if self.min_tokens is not None:
+            if not 0 <= self.min_tokens <= max_new_tokens:  # checked here so the 400 names this route's field
+                raise SamplingParamError(
+                    "min_tokens", f"min_tokens must be in [0, {max_new_tokens}] (max tokens), got {self.min_tokens}"
+                )
             sp["min_new_tokens"] = self.min_tokens
         return sp
 
