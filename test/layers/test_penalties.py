@@ -143,7 +143,7 @@ def test_sync_replays_an_output_cut_back_by_retraction():
     assert isinstance(chain, LogitsProcessorChain) and chain.history == [5]
     pen, mnt = chain.processors
     assert isinstance(pen, OutputPenalties) and isinstance(mnt, MinNewTokens)
-    assert pen.counts[5] == 1 and pen.counts[7] == 0 and mnt.accepted == 1
+    assert pen.counts[5] == 1 and pen.counts[7] == 0 and pen.seen == {5} and mnt.accepted == 1
     sync([req])  # already in step: nothing replayed
     assert pen.counts[5] == 1
 

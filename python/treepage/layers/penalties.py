@@ -28,7 +28,9 @@ from treepage.layers.logits_processor import LogitsProcessorChain, RequestLogits
 
 
 class OutputPenalties(RequestLogitsProcessor):
-    """repetition_penalty, frequency_penalty and presence_penalty: they share one count of the output tokens."""
+    """repetition_penalty, frequency_penalty and presence_penalty: they share one count of the output tokens.
+
+    Only the columns of tokens some row has seen change, so the work is R x (distinct tokens seen), not R x V."""
 
     def __init__(
         self,
@@ -40,34 +42,49 @@ class OutputPenalties(RequestLogitsProcessor):
     ) -> None:
         self.repetition, self.frequency, self.presence = repetition, frequency, presence
         self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        self.seen: set[int] = set()  # the token ids with a nonzero count
 
     def accept(self, tokens: Sequence[int]) -> None:
         idx = torch.tensor(list(tokens), dtype=torch.int64, device=self.counts.device)
         self.counts.index_add_(0, idx, torch.ones(len(idx), dtype=torch.float32, device=idx.device))
+        self.seen.update(tokens)
 
     def reset(self) -> None:
         self.counts.zero_()
+        self.seen.clear()
 
-    def row_counts(self, paths: Sequence[Sequence[int]]) -> Tensor:
-        """[R, V] output counts as each row sees them ([1, V], shared, when no row has a path)."""
-        width = max((len(p) for p in paths), default=0)
-        if width == 0:
-            return self.counts[None]
+    def columns(self, paths: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor] | None:
+        """(ids [U], counts [R, U]): the tokens any row has seen and their count as each row sees it ([1, U],
+        shared, when no row has a path); None when no row has seen any token."""
+        ids = sorted(self.seen.union(*paths))
+        if not ids:
+            return None
         dev = self.counts.device
-        idx = torch.tensor([list(p) + [0] * (width - len(p)) for p in paths], dtype=torch.int64, device=dev)
-        ones = torch.tensor([[1.0] * len(p) + [0.0] * (width - len(p)) for p in paths], device=dev)
-        return self.counts.repeat(len(paths), 1).scatter_add_(1, idx, ones)
+        cols = torch.tensor(ids, dtype=torch.int64, device=dev)
+        counts = self.counts[cols][None]
+        width = max(len(p) for p in paths)
+        if width:
+            at = {t: j for j, t in enumerate(ids)}
+            idx = torch.tensor([[at[t] for t in p] + [0] * (width - len(p)) for p in paths], device=dev)
+            ones = torch.tensor([[1.0] * len(p) + [0.0] * (width - len(p)) for p in paths], device=dev)
+            counts = counts.repeat(len(paths), 1).scatter_add_(1, idx, ones)
+        return cols, counts
 
     def apply(self, logits: Tensor, paths: Sequence[Sequence[int]]) -> None:
-        counts = self.row_counts(paths)
+        found = self.columns(paths)
+        if found is None:
+            return
+        cols, counts = found
+        sub = logits[:, cols]  # a copy: written back below
         seen = counts > 0
         if self.repetition != 1.0:
-            scaled = torch.where(logits < 0, logits * self.repetition, logits / self.repetition)
-            logits.copy_(torch.where(seen, scaled, logits))
+            scaled = torch.where(sub < 0, sub * self.repetition, sub / self.repetition)
+            sub = torch.where(seen, scaled, sub)
         if self.frequency != 0.0:
-            logits.sub_(counts * self.frequency)
+            sub = sub - counts * self.frequency
         if self.presence != 0.0:
-            logits.sub_(seen.float() * self.presence)
+            sub = sub - seen.float() * self.presence
+        logits[:, cols] = sub
 
 
 class LogitBias(RequestLogitsProcessor):
