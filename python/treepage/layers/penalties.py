@@ -5,7 +5,7 @@ Each processor holds its request's accepted output incrementally (counts updated
 and adjusts all R rows a request has in one call with a few tensor ops: a tree-verify row's history is the
 accepted output + the row's path, so its counts are the accepted counts plus its path's tokens.
 
-Semantics (applied in this order, as SGLang and vLLM do: multiplicative, then additive, then bias, then masks):
+Semantics, in the order applied (the penalties, then the bias, so a bias is never scaled, then the mask):
 - `repetition_penalty` (HF / SGLang, > 0): a token already in the output has its logit divided by the penalty
   when positive and multiplied when negative. As in SGLang, only output tokens count, not the prompt.
 - `frequency_penalty`, `presence_penalty` (OpenAI, [-2, 2]): logit -= frequency * count + presence * (count > 0),
@@ -62,7 +62,7 @@ class OutputPenalties(RequestLogitsProcessor):
         dev = self.counts.device
         cols = torch.tensor(ids, dtype=torch.int64, device=dev)
         counts = self.counts[cols][None]
-        width = max(len(p) for p in paths)
+        width = max((len(p) for p in paths), default=0)
         if width:
             at = {t: j for j, t in enumerate(ids)}
             idx = torch.tensor([[at[t] for t in p] + [0] * (width - len(p)) for p in paths], device=dev)
