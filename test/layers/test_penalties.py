@@ -316,9 +316,11 @@ def test_a_biased_token_the_draft_cannot_propose(ckpts, reference, version, monk
         eng.shutdown()
 
 
-def test_retracted_penalised_requests_equal_plain(ckpts, monkeypatch):
-    """Spec v1 (the synchronous path) with a KV pool too small for the batch: retracted requests re-prefill
-    with their output so far, their processors re-synced to it, and still emit plain decoding's tokens."""
+@pytest.mark.parametrize("version,pool", [(1, 160), (2, 320)])  # v2 reserves twice the KV per request
+def test_retracted_penalised_requests_equal_plain(ckpts, version, pool, monkeypatch):
+    """A KV pool too small for the batch: retracted requests re-prefill with their output so far (under spec v2
+    the tokens of a round drained at retraction are dropped), their processors re-synced to it, and still emit
+    plain decoding's tokens."""
     monkeypatch.setenv("TREEPAGE_STRICT_MEM_CHECK", "1")
     rng = random.Random(1)
     short = [[rng.randint(3, 127) for _ in range(n)] for n in (4, 3, 11, 12, 20)]  # all admitted, then grow
@@ -327,7 +329,7 @@ def test_retracted_penalised_requests_equal_plain(ckpts, monkeypatch):
         want = _run(plain, PARAMS, short)
     finally:
         plain.shutdown()
-    eng = _spec_engine(ckpts, 8, 4, 1, max_total_tokens=160, max_running_requests=5)
+    eng = _spec_engine(ckpts, 8, 4, version, max_total_tokens=pool, max_running_requests=5)
     try:
         assert _run(eng, PARAMS, short) == want
         assert eng.scheduler.stats.num_retracted > 0
