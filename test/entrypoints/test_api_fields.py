@@ -334,6 +334,17 @@ def test_penalties_are_the_same_on_every_route(http, openai_client, baseline):
     assert chat.choices[0].message.content and chat.usage.completion_tokens == 4
 
 
+def test_seeded_sampling_with_penalties_is_reproducible_over_http(openai_client):
+    def sample(seed: int) -> str:
+        extra = {"ignore_eos": True, "top_k": 20, **PENALTIES, "logit_bias": {str(FORCED_ID): 3}}
+        out = openai_client.completions.create(
+            model=MODEL, prompt="hi", max_tokens=24, temperature=1.0, seed=seed, extra_body=extra
+        )
+        return out.choices[0].text
+
+    assert sample(7) == sample(7) != sample(8)
+
+
 def test_min_tokens_holds_back_a_stop_token(http, openai_client):
     body = {"text": "hi", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
     first = http.post("/generate", json=body).json()["output_ids"][0]
