@@ -34,11 +34,19 @@ def make_perturbed_copy(target_dir: str, out_dir: str, noise: float, seed: int =
     return out_dir
 
 
-def make_eagle_head(target_dir: str, out_dir: str, algorithm: str, seed: int = 0) -> str:
+def make_eagle_head(
+    target_dir: str,
+    out_dir: str,
+    algorithm: str,
+    seed: int = 0,
+    draft_vocab_size: int | None = None,
+    never_draft: tuple[int, ...] = (),
+) -> str:
+    """`never_draft`: target ids left out of an EAGLE-3 draft vocabulary, so the draft can never propose them."""
     from treepage.models.eagle_checkpoint import save_eagle_head
     from treepage.models.loader import load_config
 
-    cfg, state = random_eagle_head(load_config(target_dir), algorithm, seed=seed)
+    cfg, state = random_eagle_head(load_config(target_dir), algorithm, draft_vocab_size, seed, never_draft=never_draft)
     save_eagle_head(out_dir, cfg, state)
     for name in os.listdir(target_dir):  # heads ship without a tokenizer; the target's is used
         if name.startswith("tokenizer") or name == "special_tokens_map.json":
@@ -52,6 +60,7 @@ def random_eagle_head(
     draft_vocab_size: int | None = None,
     seed: int = 0,
     bias: bool | None = None,
+    never_draft: tuple[int, ...] = (),
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """A random head (fp32) in the released layout; an EAGLE-3 draft vocab is a random sorted subset of ids."""
     from treepage.models.eagle_checkpoint import draft_vocab_maps, head_config_dict, head_tensor_shapes
@@ -68,6 +77,7 @@ def random_eagle_head(
             state[name] = torch.randn(shape, generator=g) / shape[1] ** 0.5
     if algorithm == "EAGLE3":
         V, Vd = cfg["vocab_size"], cfg["draft_vocab_size"]
-        hot = torch.sort(torch.randperm(V, generator=g)[:Vd]).values
+        allowed = torch.tensor([t for t in torch.randperm(V, generator=g).tolist() if t not in never_draft])
+        hot = torch.sort(allowed[:Vd]).values
         state["d2t"], state["t2d"] = draft_vocab_maps(hot, V)
     return cfg, state

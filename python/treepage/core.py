@@ -22,6 +22,7 @@ the engine, and its contents are advanced only by the worker that samples the re
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,36 @@ def new_rid() -> str:
     return f"req-{next(_rid_counter)}"
 
 
+class SamplingParamError(ValueError):
+    """An invalid sampling parameter; `param` names it (the "param" of the HTTP 400)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+MAX_ABS_PENALTY = 2.0  # OpenAI's range for frequency_penalty and presence_penalty
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
+
+
+def parse_logit_bias(raw: Any) -> dict[int, float]:
+    """logit_bias as JSON carries it (token-id strings as keys) or as Python does (int keys) -> {id: bias}."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise SamplingParamError("logit_bias", "logit_bias must be an object mapping token ids to biases")
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key):
+            key = int(key)
+        if not isinstance(key, int) or isinstance(key, bool):
+            raise SamplingParamError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise SamplingParamError("logit_bias", f"logit_bias[{key}] must be a number, got {value!r}")
+        out[key] = float(value)
+    return out
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
@@ -46,13 +77,20 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
+    # layers/penalties.py: applied to the logits in every place tokens are chosen (neutral values cost nothing)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_new_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
     def validate(self, vocab_size: int) -> None:
-        """Raises ValueError with a message fit for an HTTP 400."""
+        """Raises ValueError with a message fit for an HTTP 400 (a SamplingParamError names its field); turns
+        logit_bias's JSON string keys into token ids."""
         if (
             not isinstance(self.max_new_tokens, int)
             or isinstance(self.max_new_tokens, bool)
@@ -73,6 +111,35 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not 0 <= t < vocab_size:
                 raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary [0, {vocab_size})")
+        self._validate_penalties(vocab_size)
+
+    def _validate_penalties(self, vocab_size: int) -> None:
+        self.logit_bias = parse_logit_bias(self.logit_bias)  # JSON's string keys become token ids
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -MAX_ABS_PENALTY <= v <= MAX_ABS_PENALTY:
+                raise SamplingParamError(name, f"{name} must be in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not 0.0 < rp < float("inf"):
+            raise SamplingParamError("repetition_penalty", f"repetition_penalty must be > 0, got {rp!r}")
+        for t, b in self.logit_bias.items():
+            if not 0 <= t < vocab_size:
+                raise SamplingParamError(
+                    "logit_bias", f"logit_bias token id {t} is outside the vocabulary [0, {vocab_size})"
+                )
+            if not -MAX_ABS_LOGIT_BIAS <= b <= MAX_ABS_LOGIT_BIAS:
+                raise SamplingParamError("logit_bias", f"logit_bias[{t}] must be in [-100, 100], got {b!r}")
+        m = self.min_new_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise SamplingParamError("min_new_tokens", f"min_new_tokens must be a non-negative integer, got {m!r}")
+        if m > self.max_new_tokens:
+            raise SamplingParamError(
+                "min_new_tokens", f"min_new_tokens ({m}) must not exceed max_new_tokens ({self.max_new_tokens})"
+            )
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)

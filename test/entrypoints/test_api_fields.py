@@ -296,6 +296,93 @@ def _poll_load(http: httpx.Client, done, timeout: float = 10.0) -> list[dict]:
     return load
 
 
+# ---- penalties, logit_bias, min_new_tokens (layers/penalties.py) ---------------------------------------------
+FORCED_ID, FORCED_CHAR = 50, "N"  # conftest's tokenizer: id 4 + k is chr(32 + k)
+PENALTIES = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.3}
+
+
+@pytest.fixture(scope="module")
+def openai_client(http):
+    import openai
+
+    return openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_logit_bias_through_the_openai_client_and_generate(http, openai_client):
+    bias = {str(FORCED_ID): 100}
+    done = openai_client.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=0, logit_bias=bias)
+    chat = openai_client.chat.completions.create(
+        model=MODEL, messages=CHAT_MSG, max_tokens=4, temperature=0, logit_bias=bias
+    )
+    assert done.choices[0].text == chat.choices[0].message.content == FORCED_CHAR * 4
+    sp = {"max_new_tokens": 4, **GREEDY, "logit_bias": bias}
+    native = http.post("/generate", json={"text": "hi", "sampling_params": sp}).json()
+    assert native["output_ids"] == [FORCED_ID] * 4
+
+
+def test_penalties_are_the_same_on_every_route(http, openai_client, baseline):
+    done = openai_client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=4, temperature=0, extra_body={"ignore_eos": True, **PENALTIES}
+    )
+    sp = {"max_new_tokens": 4, **GREEDY, **PENALTIES}
+    native = http.post("/generate", json={"text": "hi", "sampling_params": sp}).json()
+    assert done.choices[0].text == native["text"] != baseline[GENERATE]  # the penalties change the output
+    chat = openai_client.chat.completions.create(
+        model=MODEL, messages=CHAT_MSG, max_tokens=4, temperature=0, extra_body={"ignore_eos": True, **PENALTIES}
+    )
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == 4
+
+
+def test_seeded_sampling_with_penalties_is_reproducible_over_http(openai_client):
+    def sample(seed: int) -> str:
+        extra = {"ignore_eos": True, "top_k": 20, **PENALTIES, "logit_bias": {str(FORCED_ID): 3}}
+        out = openai_client.completions.create(
+            model=MODEL, prompt="hi", max_tokens=24, temperature=1.0, seed=seed, extra_body=extra
+        )
+        return out.choices[0].text
+
+    assert sample(7) == sample(7) != sample(8)
+
+
+def test_min_tokens_holds_back_a_stop_token(http, openai_client):
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    first = http.post("/generate", json=body).json()["output_ids"][0]
+    body["sampling_params"]["stop_token_ids"] = [first]
+    assert http.post("/generate", json=body).json()["output_ids"] == [first]  # stops at once
+    body["sampling_params"]["min_new_tokens"] = 3
+    held = http.post("/generate", json=body).json()
+    assert len(held["output_ids"]) >= 3 and first not in held["output_ids"][:3]
+    done = openai_client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=8, temperature=0, extra_body={"stop_token_ids": [first], "min_tokens": 3}
+    )
+    assert done.usage.completion_tokens == len(held["output_ids"])
+
+
+INVALID = [("frequency_penalty", 2.5), ("presence_penalty", -3), ("repetition_penalty", 0), ("logit_bias", {"x": 1}),
+           ("logit_bias", {"5": 101}), ("logit_bias", {"100000": 1}), ("frequency_penalty", "1"),
+           ("logit_bias", {"5": "high"})]  # fmt: skip
+
+
+@pytest.mark.parametrize("scope", [SAMPLING, COMPLETION, CHAT])
+@pytest.mark.parametrize("name,value", INVALID + [("min_new_tokens", -1), ("min_new_tokens", 5)])
+def test_invalid_penalty_is_a_400_naming_it(http, scope, name, value):
+    if name == "min_new_tokens" and scope != SAMPLING:
+        name = "min_tokens"  # the OpenAI routes' name
+    r = _post(http, scope, name, value)  # max tokens 4
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["param"] == name and name in err["message"] and err["type"] == "BadRequestError", err
+    assert _post(http, scope).status_code == 200  # the server keeps serving
+
+
+def test_openai_client_sees_a_typed_error_for_a_bad_penalty(openai_client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty") as exc:
+        openai_client.chat.completions.create(model=MODEL, messages=CHAT_MSG, max_tokens=2, frequency_penalty=-2.5)
+    assert exc.value.body["param"] == "frequency_penalty"
+
+
 # ---- the table itself (no server) ------------------------------------------------------------------------------
 def test_table_has_one_row_per_field_and_scope():
     seen = set()

@@ -99,7 +99,6 @@ EMPTY_DICT: tuple[Any, ...] = (None, {})
 
 LOGPROBS = "flat or raw logprob layouts and logprob modes"
 PARALLEL = "parallel sampling (n > 1)"
-PENALTIES = "penalties or logit_bias"
 GRAMMAR = "structured output (JSON schema / regex / EBNF grammars)"
 MULTIMODAL = "multimodal input (this is a text-only engine)"
 PD = "prefill/decode disaggregation"
@@ -114,16 +113,10 @@ INERT_FIELDS: tuple[InertField, ...] = (
     _f("return_sampling_mask", OFF, "sampling-mask output", GENERATE, CHAT),
     _f("suffix", (None, ""), "suffix insertion", COMPLETION),
     _f("return_entropy", OFF, "entropy output", GENERATE),
-    # ---- n, penalties, logit_bias -----------------------------------------------------------------------------
+    # ---- n, other sampling methods ----------------------------------------------------------------------------
     _f("n", (None, 1), PARALLEL, SAMPLING, OPENAI),
     _f("best_of", (None, 1), PARALLEL, COMPLETION),
-    _f("frequency_penalty", (None, 0), PENALTIES, SAMPLING, OPENAI),
-    _f("presence_penalty", (None, 0), PENALTIES, SAMPLING, OPENAI),
-    _f("repetition_penalty", (None, 1), PENALTIES, SAMPLING, OPENAI),
-    _f("logit_bias", EMPTY_DICT, PENALTIES, SAMPLING, OPENAI),
     _f("min_p", (None, 0), "min-p sampling", SAMPLING, OPENAI),
-    _f("min_new_tokens", (None, 0), "a minimum output length", SAMPLING),
-    _f("min_tokens", (None, 0), "a minimum output length", OPENAI),
     _f("beam_width", NULL, "beam search", SAMPLING),
     # ---- structured output and tools --------------------------------------------------------------------------
     _f("json_schema", NULL, GRAMMAR, SAMPLING, COMPLETION),

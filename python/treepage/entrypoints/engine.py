@@ -18,6 +18,7 @@ from treepage.arg_groups import dtype_choice, resolve_dtype, resolve_server_args
 from treepage.arg_groups.speculative import apply_default_server_speculation
 from treepage.core import LogprobParams, Req, SamplingParams, TokenLogprob, new_rid
 from treepage.entrypoints.logprob_output import add_native_logprobs
+from treepage.layers.penalties import build_chain
 from treepage.managers.scheduler import Scheduler
 from treepage.managers.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
 from treepage.managers.worker_factory import build_worker
@@ -168,7 +169,16 @@ class Engine:
         if not sp.greedy:
             gen = torch.Generator(device=self.args.device)
             gen.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-        req = Req(rid or new_rid(), list(input_ids), sp, sink, generator=gen, created=time.monotonic())
+        chain = build_chain(sp, self.eos_ids, self.vocab_size, self.args.device)
+        req = Req(
+            rid or new_rid(),
+            list(input_ids),
+            sp,
+            sink,
+            generator=gen,
+            created=time.monotonic(),
+            logits_processor=chain,
+        )
         req.logprob = logprob
         return req
 

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
-from treepage.core import LogprobParams, TokenLogprob
+from treepage.core import LogprobParams, SamplingParamError, TokenLogprob
 from treepage.entrypoints.api_fields import UnsupportedField
 from treepage.entrypoints.engine import CumulativeOutput, asyncio_sink
 from treepage.entrypoints.logprob_output import add_native_logprobs, chat_logprobs, completion_logprobs
@@ -30,11 +30,11 @@ from treepage.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
-    InvalidField,
     _Body,
     format_validation_error,
     openai_finish_reason,
     usage,
+    validation_error_param,
 )
 from treepage.managers.scheduler import QueueFullError
 from treepage.managers.tokenizer import apply_chat_template
@@ -225,7 +225,7 @@ async def _parse(request: Request, model: type[_Body]) -> Any:
         body = model.model_validate_json(raw)
         body.check_inert()
     except ValidationError as e:
-        raise ApiError(400, format_validation_error(e)) from None
+        raise ApiError(400, format_validation_error(e), param=validation_error_param(e)) from None
     except UnsupportedField as e:
         raise ApiError(400, str(e), param=e.field) from None
     return body
@@ -398,11 +398,8 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return JSONResponse(ApiError(400, str(exc)).body(), status_code=400)
-
-    @app.exception_handler(InvalidField)
-    async def _invalid_field(_: Request, exc: InvalidField) -> JSONResponse:
-        return JSONResponse(ApiError(400, str(exc), param=exc.field).body(), status_code=400)
+        param = exc.param if isinstance(exc, SamplingParamError) else None
+        return JSONResponse(ApiError(400, str(exc), param=param).body(), status_code=400)
 
     @app.exception_handler(QueueFullError)
     async def _queue_full(_: Request, exc: QueueFullError) -> JSONResponse:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError, create_model
 
-from treepage.core import LogprobParams
+from treepage.core import LogprobParams, SamplingParamError
 from treepage.entrypoints import api_fields
 from treepage.entrypoints.api_fields import CHAT, COMPLETION, GENERATE, SAMPLING, STREAM_OPTIONS
 
@@ -19,12 +19,11 @@ MAX_ERRORS_SHOWN = 5
 MAX_OPENAI_TOP_LOGPROBS = 20  # OpenAI's chat limit, used for the completions' integer logprobs too
 
 
-class InvalidField(ValueError):
-    """A field whose value is well-typed but out of range; rendered as a 400 naming it."""
+class InvalidField(SamplingParamError):
+    """A request field whose value is well-typed but out of range; the 400 names it (message "field: why")."""
 
     def __init__(self, name: str, message: str) -> None:
-        super().__init__(f"{name}: {message}")
-        self.field = name
+        super().__init__(name, f"{name}: {message}")
 
 
 class _Body(BaseModel):
@@ -63,6 +62,18 @@ def format_validation_error(exc: ValidationError) -> str:
     return "; ".join(parts) + (f"; ... and {more} more" if more > 0 else "")
 
 
+def validation_error_param(exc: ValidationError) -> str | None:
+    """The request field the first problem is about (the innermost one on its path), for the 400's "param"."""
+    errors = exc.errors(include_url=False)
+    names = _request_field_names()
+    return next((x for x in reversed(errors[0]["loc"]) if isinstance(x, str) and x in names), None) if errors else None
+
+
+def _request_field_names() -> set[str]:
+    bodies = (GenerateRequest, NativeSamplingParams, CompletionRequest, ChatCompletionRequest, ChatMessage)
+    return {name for body in (*bodies, StreamOptions, TextPart) for name in body.model_fields}
+
+
 if TYPE_CHECKING:  # the type checker sees the plain base; at run time each base declares its scope's inert fields
     _InertStreamOptions = _Body
     _InertCompletion = _Body
@@ -79,6 +90,9 @@ else:
 
 class StreamOptions(_InertStreamOptions):
     include_usage: bool = False
+
+
+_PENALTY_KEYS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")
 
 
 class _OpenAISampling(_Body):
@@ -98,14 +112,25 @@ class _OpenAISampling(_Body):
     seed: StrictInt | None = None
     user: str | None = None  # OpenAI's end-user id: informational only
     rid: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+    min_tokens: StrictInt | None = None  # SGLang's min_new_tokens
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         sp: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": self.ignore_eos}
         sp["skip_special_tokens"] = self.skip_special_tokens
-        for key in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids"):
+        for key in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", *_PENALTY_KEYS):
             value = getattr(self, key)
             if value is not None:
                 sp[key] = value
+        if self.min_tokens is not None:
+            if not 0 <= self.min_tokens <= max_new_tokens:  # checked here so the 400 names this route's field
+                raise SamplingParamError(
+                    "min_tokens", f"min_tokens must be in [0, {max_new_tokens}] (max tokens), got {self.min_tokens}"
+                )
+            sp["min_new_tokens"] = self.min_tokens
         return sp
 
     @property
@@ -186,6 +211,11 @@ class NativeSamplingParams(_InertSampling):
     skip_special_tokens: bool | None = None
     seed: StrictInt | None = None
     sampling_seed: StrictInt | None = None  # SGLang's name for seed
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_new_tokens: StrictInt | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The engine's sampling params; None means 'use the default', as in SGLang. Inert fields are neutral
