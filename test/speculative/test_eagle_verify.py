@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -149,6 +150,24 @@ def test_mixed_batch_greedy_rows_equal_greedy_verify():
     for name in ("accept_index", "accept_len", "predict", "accepted_nodes"):
         assert torch.equal(getattr(res, name)[greedy], getattr(ref, name)[greedy])
     assert int(ref.accept_len[greedy].max()) >= 3
+
+
+def test_per_request_generators_make_a_row_independent_of_its_batch():
+    """With one generator per request, a seeded row draws the same tokens alone or next to other requests."""
+    k, s, n, vocab = 4, 3, 12, 30
+    bs = 6
+    tree = _random_tree(bs, k, s, n, vocab, seed=5)
+    logits = torch.randn(bs, n, vocab)
+    temps, top_ps, top_ks = torch.full((bs,), 0.9), torch.ones(bs), torch.full((bs,), -1)
+    gens = [torch.Generator().manual_seed(100 + b) for b in range(bs)]
+    batch = verify_tree_sampling(tree, logits.view(bs * n, vocab), temps, top_ps, top_ks, s, generator=gens)
+    _check_consistent(tree, batch, s)
+    for b in range(bs):
+        one = EagleTree(*(getattr(tree, f.name)[b : b + 1] for f in dataclasses.fields(EagleTree)))
+        alone = verify_tree_sampling(
+            one, logits[b], temps[:1], top_ps[:1], top_ks[:1], s, generator=[torch.Generator().manual_seed(100 + b)]
+        )
+        assert torch.equal(alone.predict[0], batch.predict[b]) and int(alone.accept_len[0]) == int(batch.accept_len[b])
 
 
 def test_target_probs_from_logits():

@@ -98,7 +98,7 @@ def verify_tree_sampling(
     top_ps: Tensor,
     top_ks: Tensor,
     num_steps: int,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator | None] | None = None,
 ) -> VerifyResult:
     """Target-only tree speculative sampling: every emitted token is an exact draw from the target.
 
@@ -115,7 +115,10 @@ def verify_tree_sampling(
     probs = target_probs_from_logits(
         logits, temperatures.repeat_interleave(n), top_ps.repeat_interleave(n), top_ks.repeat_interleave(n)
     ).view(bs, n, vocab)
-    coins = torch.rand(bs, n + 1, device=dev, generator=generator)
+    if isinstance(generator, list):  # one stream per request: a seeded request's draws ignore its batch-mates
+        coins = torch.stack([torch.rand(n + 1, device=dev, generator=g) for g in generator])
+    else:
+        coins = torch.rand(bs, n + 1, device=dev, generator=generator)
     tokens = tree.draft_tokens.to(torch.int64)
     parent = tree.parent
     # p_node[m] = probability of node m's token under its parent's distribution

@@ -391,8 +391,8 @@ class EagleWorker(Worker):
         temps = torch.tensor([0.0 if s.greedy else s.temperature for s in sp], device=dev)
         top_ps = torch.tensor([s.top_p for s in sp], device=dev)
         top_ks = torch.tensor([s.top_k for s in sp], device=dev)
-        gen = next((r.generator for r in reqs if r.generator is not None), None)
-        return verify_tree_sampling(tree, logits, temps, top_ps, top_ks, S, generator=gen)
+        gens = [r.generator for r in reqs]
+        return verify_tree_sampling(tree, logits, temps, top_ps, top_ks, S, generator=gens)
 
     def _fixed_accept(self, tree: EagleTree, logits: torch.Tensor, S: int) -> VerifyResult:
         """Debug knob: accept the first-child chain to a fixed depth regardless of the target."""
