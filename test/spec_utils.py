@@ -9,7 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import _save_tiny_llama
+from treepage.entrypoints.engine import Engine
 from treepage.models.config import ModelConfig
+from treepage.server_args import ServerArgs
 
 
 def make_sharp_target(out_dir: str, seed: int = 0, num_layers: int = 4, sharpen: float = 4.0) -> str:
@@ -81,3 +83,25 @@ def random_eagle_head(
         hot = torch.sort(allowed[:Vd]).values
         state["d2t"], state["t2d"] = draft_vocab_maps(hot, V)
     return cfg, state
+
+
+SPEC_TREES = {1: (3, 1, 4), 4: (4, 4, 12), 8: (4, 8, 16)}  # topk -> (steps, topk, draft tokens)
+
+
+def standalone_engine(target: str, draft: str, topk: int, page: int, version: int, **kw) -> Engine:
+    """An fp32 STANDALONE speculative engine with the tree of SPEC_TREES[topk]; version 1 (no overlap) or 2."""
+    steps, k, n = SPEC_TREES[topk]
+    return Engine(
+        ServerArgs(
+            model_path=target,
+            dtype="float32",
+            page_size=page,
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=draft,
+            speculative_num_steps=steps,
+            speculative_eagle_topk=k,
+            speculative_num_draft_tokens=n,
+            disable_overlap_schedule=version == 1,
+            **kw,
+        )
+    )

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from spec_utils import make_eagle_head, make_perturbed_copy, make_sharp_target
+from spec_utils import make_eagle_head, make_perturbed_copy, make_sharp_target, standalone_engine
 from treepage.core import Req, SamplingParamError, SamplingParams
 from treepage.entrypoints.engine import CumulativeOutput, Engine
 from treepage.layers.logits_processor import LogitsProcessorChain, commit, process_logits, sync
@@ -238,21 +238,7 @@ def reference(ckpts):
 
 
 def _spec_engine(ckpts, topk: int, page: int, version: int, **kw) -> Engine:
-    steps, k, n = (3, 1, 4) if topk == 1 else (4, 8, 16)
-    return Engine(
-        ServerArgs(
-            model_path=ckpts["target"],
-            dtype="float32",
-            page_size=page,
-            speculative_algorithm="STANDALONE",
-            speculative_draft_model_path=ckpts["draft"],
-            speculative_num_steps=steps,
-            speculative_eagle_topk=k,
-            speculative_num_draft_tokens=n,
-            disable_overlap_schedule=version == 1,
-            **kw,
-        )
-    )
+    return standalone_engine(ckpts["target"], ckpts["draft"], topk, page, version, **kw)
 
 
 def _check_exact(eng: Engine, reference: list[list[int]]) -> None:

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from spec_utils import make_perturbed_copy, make_sharp_target
+from spec_utils import make_perturbed_copy, make_sharp_target, standalone_engine
 from treepage.core import LogprobParams
 from treepage.entrypoints.engine import CumulativeOutput, Engine
 from treepage.layers.logits_processor import LogitsProcessorChain, RequestLogitsProcessor
@@ -20,7 +20,6 @@ from treepage.server_args import ServerArgs
 
 MAX_NEW = 24
 TOL = 1e-4
-TREES = {1: (3, 1, 4), 8: (4, 8, 16)}  # topk -> (steps, topk, draft tokens)
 SP = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
 LP = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 5, "token_ids_logprob": [3, 40, 77]}
 
@@ -74,21 +73,7 @@ def assert_same_logprobs(got: list[dict], ref: list[dict]) -> None:
 
 
 def spec_engine(ckpts, topk: int, page: int, version: int, **kw) -> Engine:
-    steps, k, n = TREES[topk]
-    return Engine(
-        ServerArgs(
-            model_path=ckpts["target"],
-            dtype="float32",
-            page_size=page,
-            speculative_algorithm="STANDALONE",
-            speculative_draft_model_path=ckpts["draft"],
-            speculative_num_steps=steps,
-            speculative_eagle_topk=k,
-            speculative_num_draft_tokens=n,
-            disable_overlap_schedule=version == 1,
-            **kw,
-        )
-    )
+    return standalone_engine(ckpts["target"], ckpts["draft"], topk, page, version, **kw)
 
 
 @pytest.mark.slow
