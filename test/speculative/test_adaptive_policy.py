@@ -348,3 +348,18 @@ def test_rounds_of_one_shape_move_the_others_through_the_traffic_factor():
     shared = 1 + (PRIOR[best.label] - 1) * p.traffic
     assert p.accept[best] == pytest.approx(own_weight * 1.5 + (1 - own_weight) * shared, rel=1e-6)
     assert p.choose(1) != best
+
+
+def test_chain_shapes_learn_from_the_rounds_of_a_tree():
+    """A served (4, 4, 16) round reports how many top-1 drafts in a row each greedy request's target accepted;
+    the chains (3, 1, 4) and (1, 1, 2) record what they would have accepted, without touching the traffic
+    factor (that would count the served round twice). A longer chain than the round's steps learns nothing."""
+    p = policy(hysteresis=0.0)
+    p.observe(BIG, [4, 1, 3], 3, SECONDS[BIG.label][2], chain_depths=[3, 0, 2])
+    assert p.own_accept[CHAIN] == pytest.approx((4 + 1 + 3) / 3)
+    assert p.own_accept[ONE] == pytest.approx((2 + 1 + 2) / 3)
+    assert p.observed[CHAIN] == p.observed[ONE] == p.observed[BIG] == 1 and p.traffic_rounds == 1
+    p.observe(ONE, [2, 2], 2, SECONDS[ONE.label][2], chain_depths=[1, 1])
+    assert p.observed[CHAIN] == 1  # 3 steps > the round's 1
+    assert p.own_accept[ONE] == pytest.approx(0.5 * 5 / 3 + 0.5 * 2)
+

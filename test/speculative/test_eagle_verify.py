@@ -19,6 +19,7 @@ from treepage.speculative.eagle_tree import (
 from treepage.speculative.eagle_verify import (
     VerifyResult,
     first_branch_of,
+    top_chain_depth,
     verify_tree_greedy,
     verify_tree_sampling,
 )
@@ -168,6 +169,35 @@ def test_per_request_generators_make_a_row_independent_of_its_batch():
             one, logits[b], temps[:1], top_ps[:1], top_ks[:1], s, generator=[torch.Generator().manual_seed(100 + b)]
         )
         assert torch.equal(alone.predict[0], batch.predict[b]) and int(alone.accept_len[0]) == int(batch.accept_len[b])
+
+
+@pytest.mark.parametrize("k,s,n", [(4, 3, 12), (1, 4, 5), (8, 4, 16)])
+def test_top_chain_depth_follows_the_first_children(k, s, n):
+    """The depth equals a walk down first children (the most likely draft at each node) while the target's
+    argmax agrees; and it is exactly what greedy verification of that chain alone would have accepted."""
+    bs, vocab = 32, 40
+    tree = _random_tree(bs, k, s, n, vocab, seed=11)
+    rng = random.Random(2)
+    argmax = torch.randint(0, vocab, (bs, n), generator=torch.Generator().manual_seed(3))
+    for b in range(bs):
+        kids = _children(tree.parent[b].tolist())
+        for m in range(n):
+            if kids[m] and rng.random() < 0.7:
+                argmax[b, m] = tree.draft_tokens[b, kids[m][0]]
+    depth = top_chain_depth(tree, argmax, s).tolist()
+    for b in range(bs):
+        kids = _children(tree.parent[b].tolist())
+        cur, want, chain = 0, 0, []
+        while kids[cur] and len(chain) < s:
+            chain.append(kids[cur][0])
+            cur = kids[cur][0]
+        for i, node in enumerate(chain):  # the chain's own greedy verification
+            parent = chain[i - 1] if i else 0
+            if int(tree.draft_tokens[b, node]) != int(argmax[b, parent]):
+                break
+            want += 1
+        assert depth[b] == want
+    assert max(depth) >= 2 and min(depth) == 0
 
 
 def test_target_probs_from_logits():

@@ -223,7 +223,9 @@ def save_table(path: Path, table: CostTable) -> None:
 class ShapePolicy(Protocol):
     def choose(self, batch_size: int) -> TreeShape: ...
 
-    def observe(self, shape: TreeShape, accept_lens: list[int], batch: int, seconds: float) -> None: ...
+    def observe(
+        self, shape: TreeShape, accept_lens: list[int], batch: int, seconds: float, chain_depths: list[int]
+    ) -> None: ...
 
     def snapshot(self) -> dict[str, Any]: ...
 
@@ -348,10 +350,27 @@ class AdaptivePolicy:
         self.rounds[chosen.label] += 1
         return chosen
 
-    def observe(self, shape: TreeShape, accept_lens: list[int], batch: int, seconds: float) -> None:
-        """A served round: the tokens each request emitted, the batch size and the round's wall time."""
+    @property
+    def learns_chains(self) -> bool:
+        return any(c.topk == 1 and not c.is_off for c in self.candidates)
+
+    def observe(
+        self,
+        shape: TreeShape,
+        accept_lens: list[int],
+        batch: int,
+        seconds: float,
+        chain_depths: list[int] | None = None,
+    ) -> None:
+        """A served round: the tokens each request emitted, the batch size and the round's wall time; and, for
+        greedy requests, how many top-1 drafts in a row the target accepted (eagle_verify.top_chain_depth): every
+        chain of at most the round's steps would have accepted 1 + min(its steps, depth), so those chains learn
+        from rounds they did not run."""
         if shape not in self.accept or batch < 1:
             return
+        for c in self.candidates:
+            if chain_depths and c != shape and c.topk == 1 and not c.is_off and c.steps <= shape.steps:
+                self._observe_accept(c, [1 + min(c.steps, d) for d in chain_depths], shared=False)
         log_s = math.log(max(seconds, 1e-6))
         key = (shape, batch)
         before = math.log(self.seconds(shape, batch))
@@ -365,12 +384,17 @@ class AdaptivePolicy:
         self.log_time_scale[shape] = (1 - w) * self.log_time_scale[shape] + w * ratio
         if shape.is_off or not accept_lens:
             return
+        self._observe_accept(shape, accept_lens, shared=True)
+
+    def _observe_accept(self, shape: TreeShape, accept_lens: list[int], shared: bool) -> None:
+        """One round's accept lengths of `shape` (served, or a chain's counterfactual): its own EMA, and with
+        `shared` the traffic factor (counterfactual rounds would count the served round twice there)."""
         mean = sum(accept_lens) / len(accept_lens)
         w = max(self.config.ema, 1.0 / (self.observed[shape] + 1))
         self.observed[shape] += 1
         self.own_accept[shape] = (1 - w) * self.own_accept.get(shape, mean) + w * mean
         excess = self.prior[shape] - 1.0
-        if excess > MIN_PRIOR_EXCESS:
+        if shared and excess > MIN_PRIOR_EXCESS:
             w = self._weight(self.traffic_rounds, self.config.prior_rounds)
             self.traffic_rounds += 1
             self.traffic = (1 - w) * self.traffic + w * (mean - 1.0) / excess
@@ -396,6 +420,8 @@ class AdaptivePolicy:
             "rounds": {c.label: self.rounds[c.label] for c in self.candidates},
             "accept_estimate": {c.label: round(a, 4) for c, a in self.accept.items()},
             "traffic_factor": round(self.traffic, 4),
+            # rounds each estimate has seen: served ones, and for chains the rounds of longer shapes
+            "accept_rounds": {c.label: self.observed[c] for c in self.candidates if not c.is_off},
             "time_scale": {c.label: round(math.exp(x), 4) for c, x in self.log_time_scale.items()},
             "served_seconds": {
                 c.label: {
@@ -424,7 +450,14 @@ class CyclePolicy:
         self.rounds[shape.label] += 1
         return shape
 
-    def observe(self, shape: TreeShape, accept_lens: list[int], batch: int, seconds: float) -> None:
+    def observe(
+        self,
+        shape: TreeShape,
+        accept_lens: list[int],
+        batch: int,
+        seconds: float,
+        chain_depths: list[int] | None = None,
+    ) -> None:
         """Nothing to learn: the schedule is fixed."""
 
     def snapshot(self) -> dict[str, Any]:

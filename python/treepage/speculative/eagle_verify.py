@@ -144,3 +144,27 @@ def first_branch_of(tree: EagleTree, accepted_nodes: Tensor) -> Tensor:
     n = tree.num_nodes
     earlier = (tree.depth == 1) & (torch.arange(n, device=node.device).unsqueeze(0) < node.unsqueeze(1))
     return torch.where(node >= 1, earlier.sum(1), -1)
+
+
+def top_chain_depth(tree: EagleTree, argmax: Tensor, num_steps: int) -> Tensor:
+    """[B]: how many of the draft's top-1 tokens in a row, from the root, the target's argmax ([B, N]) accepts.
+
+    Every node's first child is its most likely draft token (siblings are in score order, and a sibling is never
+    selected without the better ones), so the first-child path is the chain a topk-1 draft would have proposed
+    from the same state: a chain of S' steps would have accepted 1 + min(S', depth) tokens this round (fewer
+    only when the chain fell out of the tree's frontier, so this never overstates). Adaptive speculation uses
+    it as evidence for the chain shapes it is not running.
+    """
+    bs = argmax.shape[0]
+    dev = argmax.device
+    cur = torch.zeros(bs, dtype=torch.int64, device=dev)
+    depth = torch.zeros(bs, dtype=torch.int64, device=dev)
+    alive = torch.ones(bs, dtype=torch.bool, device=dev)
+    for _ in range(num_steps):
+        child = tree.retrieve_next_token.gather(1, cur.unsqueeze(1)).squeeze(1)
+        token = tree.draft_tokens.gather(1, child.clamp(min=0).unsqueeze(1)).squeeze(1).to(torch.int64)
+        alive = alive & (child >= 0) & (token == argmax.gather(1, cur.unsqueeze(1)).squeeze(1))
+        depth += alive.to(torch.int64)
+        cur = torch.where(alive, child, cur)
+    return depth
+

@@ -43,6 +43,7 @@ from treepage.speculative.eagle_tree import (
 from treepage.speculative.eagle_verify import (
     VerifyResult,
     first_branch_of,
+    top_chain_depth,
     verify_tree_greedy,
     verify_tree_sampling,
 )
@@ -137,7 +138,8 @@ class EagleWorker(Worker):
         """Feed a finished round's accept lengths and wall time to the policy (on the scheduler thread)."""
         if self.policy is not None:
             accept = [len(o.tokens) for o in outs if o.verified and o.tokens]
-            self.policy.observe(shape, accept, len(outs), seconds)
+            depths = [o.chain_depth for o in outs if o.chain_depth is not None]
+            self.policy.observe(shape, accept, len(outs), seconds, depths)
 
     def timed_round(
         self, reqs: list[Req], allocated: list[int], shape: TreeShape
@@ -345,10 +347,19 @@ class EagleWorker(Worker):
         self._draft_extend(reqs, tokens, L_cpu, feats)
         logits_processor.commit(reqs, tokens)
         self.debug.record(a_cpu, first_branch_of(tree, res.accepted_nodes).tolist())
-        outs = [StepOutput(t, x + n, verified=True) for t, x, n in zip(tokens, L_cpu, a_cpu)]
+        depths = self._chain_depths(reqs, tree, logits, S)
+        outs = [StepOutput(t, x + n, verified=True, chain_depth=d) for t, x, n, d in zip(tokens, L_cpu, a_cpu, depths)]
         if logprobs.wanted(reqs):
             self._path_logprobs(reqs, outs, logits, res.accept_index)
         return outs
+
+    def _chain_depths(self, reqs: list[Req], tree: EagleTree, logits: torch.Tensor, S: int) -> list[int | None]:
+        """top_chain_depth of each greedy request, when an adaptive policy has chain shapes to learn about."""
+        if not isinstance(self.policy, AdaptivePolicy) or not self.policy.learns_chains:
+            return [None] * len(reqs)
+        B, N = tree.draft_tokens.shape
+        depth = top_chain_depth(tree, logits.view(B, N, -1).argmax(-1), S).tolist()
+        return [d if r.sampling.greedy else None for r, d in zip(reqs, depth)]
 
     @staticmethod
     def _path_logprobs(reqs: list[Req], outs: list[StepOutput], logits: torch.Tensor, rows: torch.Tensor) -> None:
