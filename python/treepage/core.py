@@ -215,6 +215,12 @@ class StepOutput:
 MAX_SAMPLES = 16  # the largest n (parallel samples of one prompt) a request may ask for
 
 
+def check_num_samples(n: object) -> None:
+    """n (parallel samples of one prompt) must be an integer in [1, MAX_SAMPLES]; the 400 names the field."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SAMPLES:
+        raise SamplingParamError("n", f"n must be an integer in [1, {MAX_SAMPLES}], got {n!r}")
+
+
 def sample_seed(seed: int, index: int) -> int:
     """The seed of sample `index` of a request seeded with `seed`: seed + index (docs/design.md, "Parallel
     sampling"), so sample 0 draws as the same request with n = 1 would."""

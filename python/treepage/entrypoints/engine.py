@@ -18,13 +18,12 @@ import torch
 from treepage.arg_groups import dtype_choice, resolve_dtype, resolve_server_args
 from treepage.arg_groups.speculative import apply_default_server_speculation
 from treepage.core import (
-    MAX_SAMPLES,
     LogprobParams,
     Req,
     SampleGroup,
-    SamplingParamError,
     SamplingParams,
     TokenLogprob,
+    check_num_samples,
     new_rid,
     sample_seed,
 )
@@ -50,12 +49,6 @@ CALIBRATION_QUESTIONS = (
     "How should I prepare for a job interview next week?",
     "Write a Python function that returns the n-th Fibonacci number.",
 )
-
-
-def check_num_samples(n: object) -> None:
-    """n (parallel samples of one prompt) must be an integer in [1, MAX_SAMPLES]; a 400 names the field."""
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SAMPLES:
-        raise SamplingParamError("n", f"n must be an integer in [1, {MAX_SAMPLES}], got {n!r}")
 
 
 def asyncio_sink(loop: asyncio.AbstractEventLoop, q: asyncio.Queue[dict[str, Any]]) -> Sink:
