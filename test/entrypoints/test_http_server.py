@@ -320,8 +320,8 @@ def test_bad_input_is_a_clean_client_error(url, path, body, status, fragment):
 
 
 def test_openai_client_sees_typed_errors(client):
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        client.completions.create(model=MODEL, prompt="hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be"):
+        client.completions.create(model=MODEL, prompt="hi", n=17)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=CHAT)
     r = client.completions.create(model=MODEL, prompt="still serving", max_tokens=2)

@@ -323,7 +323,7 @@ class _EngineCollector:
             "treepage:generation_tokens", "Tokens generated.", value=st.gen_tokens_total
         )
         yield CounterMetricFamily(
-            "treepage:cache_hit_tokens", "Admitted positions served by the prefix cache.", value=st.cache_hit_tokens
+            "treepage:cache_hit_tokens", "Admitted positions not prefilled (prefix-cache hits, shared sample prompts).", value=st.cache_hit_tokens
         )
         yield CounterMetricFamily(
             "treepage:cache_query_tokens", "Positions admitted (the hit rate's denominator).", value=st.cache_query_tokens

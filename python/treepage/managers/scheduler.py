@@ -46,7 +46,7 @@ class SchedulerStats:
     prompt_tokens_total: int = 0
     gen_throughput: float = 0.0  # tokens/s over the last window
     num_retracted: int = 0
-    cache_hit_tokens: int = 0  # prompt positions served from the prefix cache at admission
+    cache_hit_tokens: int = 0  # admitted positions not prefilled (prefix cache, a sample group's shared prompt)
     cache_query_tokens: int = 0  # positions admitted (the hit rate's denominator)
     cache_evicted_pages: int = 0
 
