@@ -4,7 +4,7 @@ Ownership of `Req` fields (one writer each; everyone else only reads):
 
 | field                                   | written by                                             |
 |-----------------------------------------|--------------------------------------------------------|
-| rid, input_ids, sampling, sink, created, generator, logits_processor, logprob | `entrypoints/engine.py` (`Engine.submit`), once |
+| rid, input_ids, sampling, sink, created, generator, logits_processor, logprob, group | `entrypoints/engine.py` (`Engine.submit`, `Engine.submit_samples`), once |
 | row, allocated_len                      | `managers/admission.py` (admit), `managers/decode_planner.py` (reserve, release) |
 | cache_node, cache_len, cached_tokens    | `managers/admission.py` (prefix match), `managers/decode_planner.py` (release) |
 | kv_committed_len                        | `managers/scheduler.py`, from each `StepOutput`        |
@@ -212,7 +212,32 @@ class StepOutput:
     input_logprobs_start: int = 0
 
 
-@dataclass
+MAX_SAMPLES = 16  # the largest n (parallel samples of one prompt) a request may ask for
+
+
+def check_num_samples(n: object) -> None:
+    """n (parallel samples of one prompt) must be an integer in [1, MAX_SAMPLES]; the 400 names the field."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SAMPLES:
+        raise SamplingParamError("n", f"n must be an integer in [1, {MAX_SAMPLES}], got {n!r}")
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded with `seed`: seed + index (docs/design.md, "Parallel
+    sampling"), so sample 0 draws as the same request with n = 1 would."""
+    return seed + index
+
+
+@dataclass(eq=False)
+class SampleGroup:
+    """The n samples of one prompt (n > 1). The first member to be prefilled computes the prompt; the others are
+    admitted after it and share its whole pages through the prefix tree and copy its partial last page
+    (`managers/admission.py`). `rid` is the request's own id: aborting it aborts every sample."""
+
+    rid: str
+    members: list[Req] = field(default_factory=list, repr=False)
+
+
+@dataclass(eq=False)
 class Req:
     rid: str
     input_ids: list[int]
@@ -235,6 +260,7 @@ class Req:
     logits_processor: Any = None  # layers.logits_processor.LogitsProcessorChain, or None (nothing to apply)
     logprob: LogprobParams | None = None  # None: no logprobs asked, none computed
     input_logprobs_len: int = 0  # prompt entries delivered so far (from position logprob.start on)
+    group: SampleGroup | None = None  # the other samples of the same prompt (n > 1), or None
 
     @property
     def seq_len(self) -> int:

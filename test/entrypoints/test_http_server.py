@@ -279,7 +279,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [999999]}, 400, "input_ids"),
     ("/v1/chat/completions", {"messages": []}, 400, "empty"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n=2"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "n must be"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 0}, 400, "n must be"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}, 400, "same for every prompt"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 2}, 400, "best_of=2"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/completions", {"prompt": "hi", "echo": "yes"}, 400, "echo"),
@@ -317,8 +320,8 @@ def test_bad_input_is_a_clean_client_error(url, path, body, status, fragment):
 
 
 def test_openai_client_sees_typed_errors(client):
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        client.completions.create(model=MODEL, prompt="hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be"):
+        client.completions.create(model=MODEL, prompt="hi", n=17)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=CHAT)
     r = client.completions.create(model=MODEL, prompt="still serving", max_tokens=2)

@@ -98,7 +98,6 @@ EMPTY_LIST: tuple[Any, ...] = (None, [])
 EMPTY_DICT: tuple[Any, ...] = (None, {})
 
 LOGPROBS = "flat or raw logprob layouts and logprob modes"
-PARALLEL = "parallel sampling (n > 1)"
 GRAMMAR = "structured output (JSON schema / regex / EBNF grammars)"
 MULTIMODAL = "multimodal input (this is a text-only engine)"
 PD = "prefill/decode disaggregation"
@@ -113,9 +112,8 @@ INERT_FIELDS: tuple[InertField, ...] = (
     _f("return_sampling_mask", OFF, "sampling-mask output", GENERATE, CHAT),
     _f("suffix", (None, ""), "suffix insertion", COMPLETION),
     _f("return_entropy", OFF, "entropy output", GENERATE),
-    # ---- n, other sampling methods ----------------------------------------------------------------------------
-    _f("n", (None, 1), PARALLEL, SAMPLING, OPENAI),
-    _f("best_of", (None, 1), PARALLEL, COMPLETION),
+    # ---- other sampling methods (n, parallel samples, is implemented) ---------------------------------------
+    _f("best_of", (None, 1), "best_of (ranking samples on the server; n returns every sample)", COMPLETION),
     _f("min_p", (None, 0), "min-p sampling", SAMPLING, OPENAI),
     _f("beam_width", NULL, "beam search", SAMPLING),
     # ---- structured output and tools --------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -16,7 +17,16 @@ import torch
 
 from treepage.arg_groups import dtype_choice, resolve_dtype, resolve_server_args
 from treepage.arg_groups.speculative import apply_default_server_speculation
-from treepage.core import LogprobParams, Req, SamplingParams, TokenLogprob, new_rid
+from treepage.core import (
+    LogprobParams,
+    Req,
+    SampleGroup,
+    SamplingParams,
+    TokenLogprob,
+    check_num_samples,
+    new_rid,
+    sample_seed,
+)
 from treepage.entrypoints.logprob_output import add_native_logprobs
 from treepage.layers.penalties import build_chain
 from treepage.managers.scheduler import Scheduler
@@ -196,6 +206,30 @@ class Engine:
         self.scheduler.submit(req)
         return req
 
+    def submit_samples(
+        self,
+        input_ids: list[int],
+        sp: SamplingParams,
+        sinks: list[Sink],
+        rid: str | None = None,
+        logprob: LogprobParams | None = None,
+    ) -> list[Req]:
+        """Queue n = len(sinks) samples of one prompt (docs/design.md, "Parallel sampling"): sample i is the
+        request `{rid}-{i}` and, with a seed, draws with `sample_seed(seed, i)`; `abort(rid)` aborts them all.
+        One sink is the plain `submit`."""
+        check_num_samples(len(sinks))
+        if len(sinks) == 1:
+            return [self.submit(input_ids, sp, sinks[0], rid, logprob)]
+        base = rid or new_rid()
+        group = SampleGroup(base)
+        for i, sink in enumerate(sinks):
+            sp_i = sp if sp.seed is None else dataclasses.replace(sp, seed=sample_seed(sp.seed, i))
+            req = self._make_req(input_ids, sp_i, sink, f"{base}-{i}", logprob)
+            req.group = group
+            group.members.append(req)
+        self.scheduler.submit_all(group.members)
+        return group.members
+
     async def generate_async(
         self,
         input_ids: list[int],
@@ -233,7 +267,9 @@ class Engine:
         return_text_in_logprobs: bool = False,
     ) -> dict | list[dict]:
         """Blocking generation, single or batched (a batch is submitted at once and decoded together). With
-        return_logprob, meta_info carries SGLang's logprob lists (entrypoints/logprob_output.py)."""
+        return_logprob, meta_info carries SGLang's logprob lists (entrypoints/logprob_output.py). With
+        `sampling_params["n"] > 1` each prompt gets n samples (docs/design.md, "Parallel sampling") and the
+        result is a list, prompt-major: the n samples of the first prompt, then of the next."""
         single = isinstance(prompt, str) or (
             input_ids is not None and (len(input_ids) == 0 or isinstance(input_ids[0], int))
         )
@@ -245,13 +281,17 @@ class Engine:
             batch_ids = [cast(list[int], input_ids)]
         else:
             batch_ids = list(cast(list[list[int]], input_ids))
-        sp_list = [self.make_sampling_params(sampling_params) for _ in batch_ids]
-        results: list[queue.Queue[dict[str, Any]]] = [queue.Queue() for _ in batch_ids]
+        params = dict(sampling_params or {})
+        n = params.pop("n", None)
+        n = 1 if n is None else n
+        check_num_samples(n)
+        sp_list = [self.make_sampling_params(params) for _ in batch_ids]
+        results: list[queue.Queue[dict[str, Any]]] = [queue.Queue() for _ in range(len(batch_ids) * n)]
         lp = None
         if return_logprob:
             lp = LogprobParams(logprob_start_len, top_logprobs_num, tuple(token_ids_logprob or ()))
-        for ids, sp, q in zip(batch_ids, sp_list, results):
-            self.submit(ids, sp, q.put, logprob=lp)
+        for j, (ids, sp) in enumerate(zip(batch_ids, sp_list)):
+            self.submit_samples(ids, sp, [q.put for q in results[j * n : (j + 1) * n]], logprob=lp)
         outs = []
         for q in results:
             acc = CumulativeOutput()
@@ -267,9 +307,10 @@ class Engine:
             if lp is not None:
                 add_native_logprobs(snap, lp, self.tokenizer, return_text_in_logprobs)
             outs.append(snap)
-        return outs[0] if single else outs
+        return outs[0] if single and n == 1 else outs
 
     def abort(self, rid: str) -> None:
+        """Abort a request (all its samples when it has n > 1)."""
         self.scheduler.abort(rid)
 
     # ---- introspection ----------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
-from treepage.core import LogprobParams, SamplingParamError, TokenLogprob
+from treepage.core import LogprobParams, Req, SamplingParamError, TokenLogprob
 from treepage.entrypoints.api_fields import UnsupportedField
 from treepage.entrypoints.engine import CumulativeOutput, asyncio_sink
 from treepage.entrypoints.logprob_output import add_native_logprobs, chat_logprobs, completion_logprobs
@@ -82,20 +82,12 @@ def _sse(obj: dict) -> str:
 class _Submitted:
     """One request already queued in the scheduler; its output deltas arrive on the event loop."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        input_ids: list[int],
-        sampling_params: Any,
-        rid: str | None,
-        logprob: LogprobParams | None = None,
-    ) -> None:
-        loop = asyncio.get_running_loop()
+    def __init__(self, engine: Engine, req: Req, q: asyncio.Queue[dict]) -> None:
         self.engine = engine
-        self.queue: asyncio.Queue[dict] = asyncio.Queue()
+        self.queue = q
         self.output = CumulativeOutput()
         self.finished = False
-        self.req = engine.submit(input_ids, sampling_params, asyncio_sink(loop, self.queue), rid, logprob)
+        self.req = req
 
     async def next(self) -> dict:
         """The cumulative snapshot after every delta that has arrived."""
@@ -114,8 +106,10 @@ def _submit(
     engine: Engine,
     items: list[tuple[list[int], dict, str | None]],
     logprobs: list[LogprobParams | None] | None = None,
+    n: int = 1,
 ) -> list[_Submitted]:
-    """Validate every item first (so a bad one queues nothing), then queue them together."""
+    """Validate every item first (so a bad one queues nothing), then queue them together; with n > 1 each item
+    is n samples sharing its prompt (docs/design.md, "Parallel sampling"), listed prompt-major."""
     checked = []
     lps = logprobs or [None] * len(items)
     for (ids, params, rid), lp in zip(items, lps):
@@ -128,10 +122,13 @@ def _submit(
         if bad is not None:
             raise ApiError(400, f"{bad[0]}: {bad[1]}", param=bad[0])
         checked.append((ids, sp, rid, lp))
+    loop = asyncio.get_running_loop()
     subs: list[_Submitted] = []
     try:
         for ids, sp, rid, lp in checked:
-            subs.append(_Submitted(engine, ids, sp, rid, lp))
+            queues: list[asyncio.Queue[dict]] = [asyncio.Queue() for _ in range(n)]
+            reqs = engine.submit_samples(ids, sp, [asyncio_sink(loop, q) for q in queues], rid, lp)
+            subs += [_Submitted(engine, r, q) for r, q in zip(reqs, queues)]
     except BaseException:
         _abort_all(subs)
         raise
@@ -248,11 +245,12 @@ def _rids(base: str, n: int) -> list[str]:
     return [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
 
 
-def _total_usage(finals: list[dict]) -> dict[str, int]:
+def _total_usage(finals: list[dict], n: int = 1) -> dict[str, int]:
+    """Each prompt counted once (its first sample's numbers), the completion tokens of every choice."""
     return usage(
-        sum(f["meta_info"]["prompt_tokens"] for f in finals),
+        sum(f["meta_info"]["prompt_tokens"] for f in finals[::n]),
         sum(f["meta_info"]["completion_tokens"] for f in finals),
-        sum(f["meta_info"]["cached_tokens"] for f in finals),
+        sum(f["meta_info"]["cached_tokens"] for f in finals[::n]),
     )
 
 
@@ -262,9 +260,10 @@ async def _openai_events(
     head: dict,
     include_usage: bool,
     prelude: list[dict] | None = None,
+    n: int = 1,
 ) -> AsyncIterator[str]:
     """OpenAI SSE: text deltas per choice (with the logprob entries of the tokens new since the last chunk), a
-    finish chunk, an optional usage chunk, then [DONE]."""
+    finish chunk, an optional usage chunk (each prompt counted once, every choice's completion), then [DONE]."""
     for obj in prelude or []:
         yield _sse(obj)
     sent = [""] * len(subs)
@@ -286,9 +285,8 @@ async def _openai_events(
         if delta or finish or entries:
             yield _sse({**head, "choices": [chunk(i, delta, finish, matched, entries)]})
     if include_usage:
-        yield _sse(
-            {**head, "choices": [], "usage": usage(*(sum(t[j] for t in totals) for j in range(3)))}
-        )
+        prompt, cached = sum(t[0] for t in totals[::n]), sum(t[2] for t in totals[::n])
+        yield _sse({**head, "choices": [], "usage": usage(prompt, sum(t[1] for t in totals), cached)})
     yield _SSE_DONE
 
 
@@ -325,7 +323,7 @@ class _EngineCollector:
             "treepage:generation_tokens", "Tokens generated.", value=st.gen_tokens_total
         )
         yield CounterMetricFamily(
-            "treepage:cache_hit_tokens", "Admitted positions served by the prefix cache.", value=st.cache_hit_tokens
+            "treepage:cache_hit_tokens", "Admitted positions not prefilled (prefix-cache hits, shared sample prompts).", value=st.cache_hit_tokens
         )
         yield CounterMetricFamily(
             "treepage:cache_query_tokens", "Positions admitted (the hit rate's denominator).", value=st.cache_query_tokens
@@ -428,10 +426,11 @@ def create_app(engine: Engine) -> FastAPI:
         cid = f"cmpl-{uuid.uuid4().hex}"
         rids = _rids(body.rid or cid, len(prompts))
         lp = body.logprob_params()
+        n = body.num_samples()
         items: list[tuple[list[int], dict, str | None]] = [
             (ids, body.sampling_params(max_tokens), r) for ids, r in zip(prompts, rids)
         ]
-        subs = _submit(engine, items, [lp] * len(items))
+        subs = _submit(engine, items, [lp] * len(items), n)
         head = {
             "id": cid,
             "object": "text_completion",
@@ -439,13 +438,14 @@ def create_app(engine: Engine) -> FastAPI:
             "model": engine.model_name,
         }
         # echo: the prompt's text (and, with logprobs, its entries) go first, in a stream with the first chunk
-        echo_pending = set(range(len(prompts))) if body.echo else set()
-        offsets = [0] * len(prompts)  # characters of each choice's text so far (logprobs' text_offset)
+        # choice i is sample i % n of prompt i // n
+        echo_pending = set(range(len(subs))) if body.echo else set()
+        offsets = [0] * len(subs)  # characters of each choice's text so far (logprobs' text_offset)
 
         def choice(i: int, text: str, finish: str | None, matched: Any, entries: list[TokenLogprob]) -> dict:
             if i in echo_pending:
                 echo_pending.discard(i)
-                p = raw_prompts[i]
+                p = raw_prompts[i // n]
                 text = (p if isinstance(p, str) else str(engine.tokenizer.decode(p))) + text
                 entries = subs[i].output.input_logprobs + entries
             logprobs = None
@@ -461,7 +461,7 @@ def create_app(engine: Engine) -> FastAPI:
             }
 
         if body.stream:
-            events = _openai_events(subs, choice, head, body.include_usage)
+            events = _openai_events(subs, choice, head, body.include_usage, n=n)
             return _sse_response(events, subs)
         finals = await _collect_unless_gone(subs, request)
         _raise_on_abort(finals)
@@ -469,7 +469,7 @@ def create_app(engine: Engine) -> FastAPI:
             choice(i, f["text"], *openai_finish_reason(f["meta_info"]), f["output_logprobs"])
             for i, f in enumerate(finals)
         ]
-        return JSONResponse({**head, "choices": choices, "usage": _total_usage(finals)})
+        return JSONResponse({**head, "choices": choices, "usage": _total_usage(finals, n)})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -488,7 +488,8 @@ def create_app(engine: Engine) -> FastAPI:
             max_tokens = max(engine.context_len - len(ids), 0)  # up to the context, as OpenAI does
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         lp = body.logprob_params()
-        subs = _submit(engine, [(ids, body.sampling_params(max_tokens), body.rid or cid)], [lp])
+        n = body.num_samples()
+        subs = _submit(engine, [(ids, body.sampling_params(max_tokens), body.rid or cid)], [lp], n)
         created = int(time.time())
         head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name}
 
@@ -506,23 +507,25 @@ def create_app(engine: Engine) -> FastAPI:
             }
 
         if body.stream:
-            role = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                         "finish_reason": None}]}  # fmt: skip
-            events = _openai_events(subs, chunk, head, body.include_usage, prelude=[role])
+            roles = [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                           "finish_reason": None}]} for i in range(n)]  # fmt: skip
+            events = _openai_events(subs, chunk, head, body.include_usage, prelude=roles, n=n)
             return _sse_response(events, subs)
         finals = await _collect_unless_gone(subs, request)
         _raise_on_abort(finals)
-        out = finals[0]
-        finish, matched = openai_finish_reason(out["meta_info"])
-        message = {"role": "assistant", "content": out["text"]}
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": logprobs_of(out["output_logprobs"]),
-            "finish_reason": finish,
-            "matched_stop": matched,
-        }
-        result = {**head, "object": "chat.completion", "choices": [choice], "usage": _total_usage(finals)}
+        choices = []
+        for i, out in enumerate(finals):
+            finish, matched = openai_finish_reason(out["meta_info"])
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": out["text"]},
+                    "logprobs": logprobs_of(out["output_logprobs"]),
+                    "finish_reason": finish,
+                    "matched_stop": matched,
+                }
+            )
+        result = {**head, "object": "chat.completion", "choices": choices, "usage": _total_usage(finals, n)}
         return JSONResponse(result)
 
     def model_card() -> dict:
@@ -555,17 +558,19 @@ def create_app(engine: Engine) -> FastAPI:
             raise ApiError(400, "Prompt cannot be empty")
         params, rids = body.per_item(len(prompts))
         lps = body.logprob_params(len(prompts))
+        n = body.num_samples()  # n > 1: a list of n results per prompt, prompt-major, as SGLang returns
         ids = [_encode(engine, p) for p in prompts]
-        subs = _submit(engine, [(i, sp, r) for i, sp, r in zip(ids, params, rids)], lps)
+        subs = _submit(engine, [(i, sp, r) for i, sp, r in zip(ids, params, rids)], lps, n)
         with_text = bool(body.return_text_in_logprobs)
+        single = single and n == 1
 
         def native(i: int, out: dict) -> dict:
-            lp = lps[i]
+            lp = lps[i // n]
             if lp is not None:
                 add_native_logprobs(out, lp, engine.tokenizer, with_text)
             res = _native(out)
             if body.return_prompt_token_ids:
-                res["prompt_token_ids"] = ids[i]
+                res["prompt_token_ids"] = ids[i // n]
             return res if single else {**res, "index": i}
 
         if body.stream:

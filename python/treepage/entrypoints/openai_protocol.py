@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError, create_model
 
-from treepage.core import LogprobParams, SamplingParamError
+from treepage.core import LogprobParams, SamplingParamError, check_num_samples
 from treepage.entrypoints import api_fields
 from treepage.entrypoints.api_fields import CHAT, COMPLETION, GENERATE, SAMPLING, STREAM_OPTIONS
 
@@ -117,6 +117,12 @@ class _OpenAISampling(_Body):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     min_tokens: StrictInt | None = None  # SGLang's min_new_tokens
+    n: StrictInt | None = None  # parallel samples per prompt (docs/design.md, "Parallel sampling")
+
+    def num_samples(self) -> int:
+        n = 1 if self.n is None else self.n
+        check_num_samples(n)
+        return n
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         sp: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": self.ignore_eos}
@@ -216,11 +222,12 @@ class NativeSamplingParams(_InertSampling):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     min_new_tokens: StrictInt | None = None
+    n: StrictInt | None = None  # parallel samples of the prompt (GenerateRequest.num_samples)
 
     def to_dict(self) -> dict[str, Any]:
         """The engine's sampling params; None means 'use the default', as in SGLang. Inert fields are neutral
-        once check_inert() has passed, so they are left out."""
-        implemented = self.model_dump(exclude=set(api_fields.inert_fields(SAMPLING)))
+        once check_inert() has passed, so they are left out; so is n, a property of the request."""
+        implemented = self.model_dump(exclude={"n", *api_fields.inert_fields(SAMPLING)})
         d = {k: v for k, v in implemented.items() if v is not None}
         seed = d.pop("sampling_seed", None)
         if seed is not None:
@@ -276,6 +283,16 @@ class GenerateRequest(_InertGenerate):
         if not ids:
             raise ValueError("input_ids is empty")
         return False, [list(cast(list[int], x)) for x in ids]
+
+    def num_samples(self) -> int:
+        """n of sampling_params: one value for every prompt (as SGLang requires)."""
+        sp = self.sampling_params
+        values = {1 if p.n is None else p.n for p in (sp if isinstance(sp, list) else [sp] if sp else [])}
+        if len(values) > 1:
+            raise InvalidField("n", f"must be the same for every prompt, got {sorted(values)}")
+        n = values.pop() if values else 1
+        check_num_samples(n)
+        return n
 
     def per_item(self, n: int) -> tuple[list[dict[str, Any]], list[str | None]]:
         """Sampling params and rids, one per prompt (a single value applies to every prompt)."""

@@ -4,11 +4,17 @@ A request longer than the chunk size is admitted alone and prefilled in chunks (
 long prompt stalls the running requests' decode for one chunk at a time, not for its whole prefill. The prefix
 cache is matched first: the cached whole pages go into the row as they are (locked, shared, never written) and
 prefill starts at the first uncached token (docs/design.md, "Prefix cache").
+
+The samples of one prompt (n > 1, docs/design.md "Parallel sampling") are admitted after the first one to be
+prefilled: they take its whole prompt pages from the tree and a copy of its partial last page, so each prefills
+only its last prompt token (its own first-token logits, its own draft extend).
 """
 
 from __future__ import annotations
 
 from collections import deque
+
+import torch
 
 from treepage.core import Req
 from treepage.layers.logprobs import first_prompt_logit, needs_prompt_logprobs
@@ -36,6 +42,9 @@ class Admission:
         self.cache = cache
         self.hit_tokens = 0  # prefix-cache statistics over all admissions (/metrics)
         self.query_tokens = 0
+        # (destination, source) slots of the KV a sample copies from its group's donor: the worker copies them
+        # in every pool before the prefill (`take_copies`)
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def pages_for(self, n_tokens: int) -> int:
         return ceil_div(n_tokens, self.page_size)
@@ -53,6 +62,10 @@ class Admission:
         reserved_pages = (self.pages_for(self.reserve) + 1) * num_running
         while waiting and num_running + len(admitted) < max_running:
             req = waiting[0]
+            group = req.group
+            fresh = group is not None and not req.output_ids  # a sample not prefilled yet
+            if fresh and any(m in admitted for m in group.members):  # type: ignore[union-attr]
+                break  # its prompt is being prefilled by a sibling: wait one step and share it
             n = req.seq_len
             ids = req.all_ids()
             # A hit always leaves at least one token to prefill: the last position's logits give the next token;
@@ -60,9 +73,11 @@ class Admission:
             limit = n - 1
             if needs_prompt_logprobs(req):
                 limit = min(limit, first_prompt_logit(req))
-            match = cache.match_prefix(cache.key_of(ids)[:limit])
+            match = cache.match_prefix(cache.key_of(ids)[:limit], shared=group is not None)
             m = match.num_units(self.page_size)
-            if admitted and (n - m > budget or self.chunked(n - m)):
+            donor = self._donor(req, limit) if fresh else None
+            start = limit if donor is not None else m  # [m, limit) is copied from the donor
+            if admitted and (n - start > budget or self.chunked(n - start)):
                 break
             cache.lock(match.node)
             need = self.pages_for(n + self.reserve) + 1 - len(match.pages)
@@ -83,19 +98,41 @@ class Admission:
             write_row_pages(req_pool.req_to_token, row, match.pages, self.page_size)
             ok = grow_row(req_pool, allocator, row, m, n)
             assert ok, "pages were counted above"
+            if donor is not None and start > m:
+                rtt = req_pool.req_to_token
+                self._copies.append((rtt[row, m:start].clone(), rtt[donor.row, m:start].clone()))
             waiting.popleft()
-            req.row, req.allocated_len, req.kv_committed_len = row, n, m
+            req.row, req.allocated_len, req.kv_committed_len = row, n, start
             req.cache_node, req.cache_len = match.node, m
             if req.cached_tokens is None:
-                req.cached_tokens = min(m, len(req.input_ids))
-            self.hit_tokens += m
+                req.cached_tokens = min(start, len(req.input_ids))
+            self.hit_tokens += start
             self.query_tokens += n
             reserved_pages += need
-            budget -= n - m
+            budget -= n - start
             admitted.append(req)
-            if self.chunked(n - m):
+            if self.chunked(n - start):
                 break
         return admitted, too_large
+
+    @staticmethod
+    def _donor(req: Req, upto: int) -> Req | None:
+        """A resident sample of the same prompt whose KV of positions [0, upto) is final; None when every other
+        sample has finished or is not resident (then `req` prefills what the tree does not hold itself)."""
+        assert req.group is not None
+        for other in req.group.members:
+            if other is not req and other.row >= 0 and other.kv_committed_len >= upto:
+                return other
+        return None
+
+    def take_copies(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The (destination, source) slots admitted samples copy from their donors since the last call."""
+        if not self._copies:
+            return None
+        dst = torch.cat([d for d, _ in self._copies])
+        src = torch.cat([s for _, s in self._copies])
+        self._copies = []
+        return dst, src
 
     def chunked(self, n_tokens: int) -> bool:
         return 0 < self.chunk_size < n_tokens

@@ -78,20 +78,21 @@ class DecodePlanner:
         """The newest request is retracted first: it has the least work to redo."""
         return max(running, key=lambda r: r.created)
 
-    def cache_prefix(self, r: Req) -> None:
-        """At a chunk boundary: put the committed whole pages in the tree now, so requests sharing the prompt hit
-        them before this one finishes. The row then points at the tree's pages (a copy another request cached
-        first was freed by `insert`) and this request locks them instead of its old, shorter path."""
+    def cache_prefix(self, r: Req, shared: bool = False) -> None:
+        """At a chunk boundary, or after the prompt of a sample group (`shared`, also with the cache disabled):
+        put the committed whole pages in the tree now, so requests sharing the prompt hit them before this one
+        finishes. The row then points at the tree's pages (a copy another request cached first was freed by
+        `insert`) and this request locks them instead of its old, shorter path."""
         cache, pool, P = self.cache, self.pools.req_to_token_pool, self.page_size
-        if cache.disabled or r.row < 0:
+        if (cache.disabled and not shared) or r.row < 0:
             return
         ids = r.all_ids()
         n = cache.cacheable_len(ids, r.kv_committed_len)
         if n <= r.cache_len:
             return
         key = cache.key_of(ids)[:n]
-        cache.insert(key, (pool.req_to_token[r.row, :n:P] // P).tolist())
-        match = cache.match_prefix(key)
+        cache.insert(key, (pool.req_to_token[r.row, :n:P] // P).tolist(), shared=shared)
+        match = cache.match_prefix(key, shared=shared)
         assert len(match.pages) * P == n, "the tree holds what was just inserted"
         cache.lock(match.node)
         if r.cache_node is not None:

@@ -4,7 +4,9 @@ Each step: take new requests and aborts, then prefill what `Admission` admits (a
 alternating with decode rounds), or else run one decode round for the running batch after `DecodePlanner`
 reserved its KV (evicting unlocked prefix-cache pages, then retracting the newest request when pages run out).
 The `OutputProcessor` appends tokens, stops requests and streams; finished requests are released (their
-committed whole pages enter the prefix cache), then delivered.
+committed whole pages enter the prefix cache), then delivered. The samples of one prompt (n > 1) are queued
+together; the first one prefilled puts its prompt pages in the tree for the others (docs/design.md, "Parallel
+sampling").
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class SchedulerStats:
     prompt_tokens_total: int = 0
     gen_throughput: float = 0.0  # tokens/s over the last window
     num_retracted: int = 0
-    cache_hit_tokens: int = 0  # prompt positions served from the prefix cache at admission
+    cache_hit_tokens: int = 0  # admitted positions not prefilled (prefix cache, a sample group's shared prompt)
     cache_query_tokens: int = 0  # positions admitted (the hit rate's denominator)
     cache_evicted_pages: int = 0
 
@@ -87,16 +89,22 @@ class Scheduler:
 
     # ---- called from other threads -------------------------------------------------------------------------
     def submit(self, req: Req) -> None:
-        if req.sampling.max_new_tokens == 0 and not needs_prompt_logprobs(req):  # prompt scoring needs a prefill
-            self.output.finish(req, FinishReason("length", matched=0))
-            return
+        self.submit_all([req])
+
+    def submit_all(self, reqs: list[Req]) -> None:
+        """Queue requests in order (the samples of one prompt: all or none)."""
         limit = self.args.max_queued_requests
-        if limit is not None and self.inbox.qsize() + len(self.waiting) >= limit:
+        if limit is not None and self.inbox.qsize() + len(self.waiting) + len(reqs) > limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
-        self.inbox.put(req)
+        for req in reqs:
+            if req.sampling.max_new_tokens == 0 and not needs_prompt_logprobs(req):  # scoring needs a prefill
+                self.output.finish(req, FinishReason("length", matched=0))
+                continue
+            self.inbox.put(req)
         self._wake.set()
 
     def abort(self, rid: str) -> None:
+        """Abort the request `rid`: one request, or every sample of a request with n > 1."""
         with self._lock:
             self.aborts.add(rid)
         self._wake.set()
@@ -139,6 +147,9 @@ class Scheduler:
             )
             for r, msg in too_large:
                 self.output.finish(r, FinishReason("abort", message=msg))
+            copies = self.admission.take_copies()
+            if copies is not None:  # admitted samples' partial prompt pages, from a sibling's KV
+                self.worker.copy_kv(*copies)
         if self.prefilling is not None and not (self.running and self._chunk_ran_last):
             self._run_prefill([self.prefilling])
         elif admitted:
@@ -165,7 +176,11 @@ class Scheduler:
     def _apply_aborts(self) -> None:
         with self._lock:
             aborts, self.aborts = self.aborts, set()
-        hit = [r for r in [*self.waiting, *self._resident()] if r.rid in aborts]
+        hit = [
+            r
+            for r in [*self.waiting, *self._resident()]
+            if r.rid in aborts or (r.group is not None and r.group.rid in aborts)
+        ]
         if hit:
             self._remove(hit, FinishReason("abort", message="aborted by client"))
 
@@ -215,6 +230,8 @@ class Scheduler:
             self.stats.prompt_tokens_total += len(r.input_ids)
             self.running.append(r)
             self.output.append(r, out)
+            if r.group is not None and any(m.row < 0 and not m.output_ids and m.finished is None for m in r.group.members):
+                self.planner.cache_prefix(r, shared=True)  # the samples still waiting share this prompt
         self._chunk_ran_last = self.admission.chunked(max(r.seq_len for r in reqs))
         self._reap()
 

@@ -10,6 +10,10 @@ ownership of every page it is handed: a page the tree already holds at that plac
 freed at once, a new one is adopted. A request in flight locks the path it matched (reference counts up to the
 root), so those pages are never evicted under it; eviction frees unlocked leaves, least recently used first
 (`lru`) or least often hit first (`lfu`).
+
+Disabled (`--disable-radix-cache`), the tree caches nothing, but it still shares the prompt pages of a sample
+group (n > 1, docs/design.md "Parallel sampling"): `shared=True` inserts and matches work, and a node is freed as
+soon as no request locks it, so the tree holds only pages some request in flight reads.
 """
 
 from __future__ import annotations
@@ -95,10 +99,11 @@ class RadixCache:
         return min(committed, units) // self.P * self.P
 
     # ---- match / insert -----------------------------------------------------------------------------------------
-    def match_prefix(self, key: Sequence[Hashable]) -> MatchResult:
+    def match_prefix(self, key: Sequence[Hashable], shared: bool = False) -> MatchResult:
         """The longest cached prefix of `key` in whole pages. Splits a node matched part-way, so the returned node
-        ends exactly at the match (locking it protects exactly those pages)."""
-        if self.disabled:
+        ends exactly at the match (locking it protects exactly those pages). A disabled tree matches only for a
+        sample group (`shared`)."""
+        if self.disabled and not shared:
             return MatchResult([], self.root)
         P = self.P
         node, pages, i = self.root, [], 0
@@ -118,13 +123,14 @@ class RadixCache:
             node = child  # a part-way match was split off, so the next lookup misses and the walk ends
         return MatchResult(pages, node)
 
-    def insert(self, key: Sequence[Hashable], pages: Sequence[int]) -> int:
+    def insert(self, key: Sequence[Hashable], pages: Sequence[int], shared: bool = False) -> int:
         """Cache `key` (len(pages) whole pages) backed by `pages`, taking ownership of every page: the tree keeps
-        the pages it already holds there, frees duplicates and adopts the rest. Returns the pages adopted."""
+        the pages it already holds there, frees duplicates and adopts the rest. Returns the pages adopted. A
+        disabled tree adopts pages only for a sample group (`shared`), and the caller locks them at once."""
         P = self.P
         if len(key) != len(pages) * P:
             raise ValueError(f"insert needs whole pages: {len(key)} units for {len(pages)} pages of {P}")
-        if self.disabled:
+        if self.disabled and not shared:
             self._free(pages)
             return 0
         node, i, dup = self.root, 0, []
@@ -158,6 +164,7 @@ class RadixCache:
             node = node.parent  # type: ignore[assignment]
 
     def unlock(self, node: TreeNode) -> None:
+        """Release one lock on the path; a disabled tree frees what no request locks any more."""
         while node is not self.root:
             if node.lock_ref <= 0:
                 raise MemoryLeakError("radix cache: unlock of a node that is not locked")
@@ -165,12 +172,19 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.locked_pages -= len(node.pages)
             node = node.parent  # type: ignore[assignment]
+        if self.disabled and self.evictable_pages():
+            self._evict(self.evictable_pages())
 
     # ---- eviction ------------------------------------------------------------------------------------------------
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` pages from unlocked leaves if there are that many; returns the pages freed."""
         if num_pages <= 0 or self.disabled:
             return 0
+        freed = self._evict(num_pages)
+        self.evicted_pages += freed
+        return freed
+
+    def _evict(self, num_pages: int) -> int:
         heap = [(self._priority(n), id(n), n) for n in self._nodes() if n.is_leaf() and n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
@@ -181,7 +195,6 @@ class RadixCache:
             assert parent is not None
             if parent is not self.root and parent.is_leaf() and parent.lock_ref == 0:
                 heapq.heappush(heap, (self._priority(parent), id(parent), parent))
-        self.evicted_pages += freed
         return freed
 
     def flush(self) -> None:

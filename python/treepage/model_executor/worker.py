@@ -1,4 +1,4 @@
-"""The scheduler <-> worker contract. The scheduler calls these four methods and nothing else.
+"""The scheduler <-> worker contract. The scheduler calls these five methods and nothing else.
 
 Memory is the scheduler's: before `prefill` / `decode` it has grown every request's row to cover what the
 step may touch (`mem_cache/sizing.py`); a worker writes KV only inside [0, req.allocated_len) of each row.
@@ -7,6 +7,8 @@ step may touch (`mem_cache/sizing.py`); a worker writes KV only inside [0, req.a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+
+import torch
 
 from treepage.core import Req, StepOutput
 from treepage.model_executor.model_runner import ModelRunner, SharedPools
@@ -30,6 +32,11 @@ class Worker(ABC):
     @abstractmethod
     def release(self, rids: list[str]) -> None:
         """Forget the per-request state of finished, aborted or retracted requests (drains first)."""
+
+    @abstractmethod
+    def copy_kv(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy the KV of slots `src` into slots `dst` in every pool the worker owns (target and draft): a sample
+        of a group takes its sibling's partial prompt page (docs/design.md, "Parallel sampling")."""
 
     @abstractmethod
     def drain(self) -> None:

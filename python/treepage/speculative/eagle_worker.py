@@ -157,6 +157,11 @@ class EagleWorker(Worker):
     def drain(self) -> None:
         """Rounds are synchronous."""
 
+    def copy_kv(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.drain()  # spec v2: no round runs while the pools are written
+        self.runner.kv_pool.move_kv_cache(dst, src)
+        self.draft.kv_pool.move_kv_cache(dst, src)
+
     def decode(self, reqs: list[Req]) -> list[StepOutput]:
         shape = self.next_shape(len(reqs))
         outs, seconds = self.timed_round(reqs, [r.allocated_len for r in reqs], shape)
