@@ -320,8 +320,8 @@ class EagleWorker(Worker):
             out = self.draft.forward(fb)
             assert out.logits is not None
             h = out.hidden
-            logits = self._prune(out.logits, reqs, front) if prune else out.logits
-            p, idx = self._draft_topk(logits, K)
+            draft_logits = self._prune(out.logits, reqs, front) if prune else out.logits
+            p, idx = self._draft_topk(draft_logits, K)
             if i < S - 1:
                 ids, hidden = draft_step_next(i, state, p, idx, h)
                 if prune:
