@@ -44,6 +44,7 @@ class SamplingParamError(ValueError):
         self.param = param
 
 
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "choice", "structural_tag")  # SGLang's constraint fields
 MAX_ABS_PENALTY = 2.0  # OpenAI's range for frequency_penalty and presence_penalty
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
 
@@ -83,6 +84,23 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_new_tokens: int = 0
+    # layers/grammar.py: at most one constraint (GRAMMAR_FIELDS), compiled by the engine, masked where tokens
+    # are chosen and where draft candidates are kept
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    choice: list[str] | None = None
+    structural_tag: str | None = None
+
+    @property
+    def grammar(self) -> tuple[str, Any] | None:
+        """(field, value) of the request's one constraint, or None; SamplingParamError when several are set."""
+        given = [f for f in GRAMMAR_FIELDS if getattr(self, f) not in (None, [], "")]
+        if len(given) > 1:
+            raise SamplingParamError(
+                given[0], f"only one of {', '.join(given)} may be set per request (each is a whole constraint)"
+            )
+        return (given[0], getattr(self, given[0])) if given else None
 
     @property
     def greedy(self) -> bool:
@@ -112,6 +130,7 @@ class SamplingParams:
             if not 0 <= t < vocab_size:
                 raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary [0, {vocab_size})")
         self._validate_penalties(vocab_size)
+        _ = self.grammar  # at most one constraint; whether it compiles is the engine's check
 
     def _validate_penalties(self, vocab_size: int) -> None:
         self.logit_bias = parse_logit_bias(self.logit_bias)  # JSON's string keys become token ids

@@ -98,7 +98,6 @@ EMPTY_LIST: tuple[Any, ...] = (None, [])
 EMPTY_DICT: tuple[Any, ...] = (None, {})
 
 LOGPROBS = "flat or raw logprob layouts and logprob modes"
-GRAMMAR = "structured output (JSON schema / regex / EBNF grammars)"
 MULTIMODAL = "multimodal input (this is a text-only engine)"
 PD = "prefill/decode disaggregation"
 
@@ -116,13 +115,7 @@ INERT_FIELDS: tuple[InertField, ...] = (
     _f("best_of", (None, 1), "best_of (ranking samples on the server; n returns every sample)", COMPLETION),
     _f("min_p", (None, 0), "min-p sampling", SAMPLING, OPENAI),
     _f("beam_width", NULL, "beam search", SAMPLING),
-    # ---- structured output and tools --------------------------------------------------------------------------
-    _f("json_schema", NULL, GRAMMAR, SAMPLING, COMPLETION),
-    _f("regex", NULL, GRAMMAR, SAMPLING, OPENAI),
-    _f("ebnf", NULL, GRAMMAR, SAMPLING, OPENAI),
-    _f("structural_tag", NULL, GRAMMAR, SAMPLING),
-    _f("choice", EMPTY_LIST, GRAMMAR, SAMPLING),
-    _f("response_format", (None, {"type": "text"}), GRAMMAR, OPENAI),
+    # ---- tools ---------------------------------------------------------------------------------------------------
     _f("tools", EMPTY_LIST, "tool calling", CHAT),
     _f("tool_choice", (None, "none", "auto"), "tool calling", CHAT),  # "auto" with no tools calls none
     _f("parallel_tool_calls", (None, True, False), "tool calling", CHAT),  # no effect without tools

@@ -28,6 +28,7 @@ from treepage.core import (
     sample_seed,
 )
 from treepage.entrypoints.logprob_output import add_native_logprobs
+from treepage.layers.grammar import GrammarCompiler
 from treepage.layers.penalties import build_chain
 from treepage.managers.scheduler import Scheduler
 from treepage.managers.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
@@ -111,6 +112,8 @@ class Engine:
         self.context_len = self.worker.pools.context_len
         self.eos_ids = eos_token_ids(self.tokenizer, config)
         self.model_name = args.served_model_name or args.model_path
+        self._grammar: GrammarCompiler | None = None  # built by the first constrained request
+        self._grammar_lock = threading.Lock()
         if args.speculative_adaptive and not args.speculative_adaptive_debug_cycle:
             assert isinstance(self.worker, EagleWorker)
             table = load_or_calibrate(self.worker, args, dtype, self._calibration_prompts())
@@ -151,7 +154,17 @@ class Engine:
                 raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
             sp = SamplingParams(**params, stop=list(stop or []))
         sp.validate(self.vocab_size)
+        given = sp.grammar
+        if given is not None:
+            self.grammar_compiler().compile(*given)  # an invalid constraint is a 400 before anything is queued
         return sp
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's one grammar compiler (layers/grammar.py), over the model's full logits width."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids)
+            return self._grammar
 
     def check_prompt(self, input_ids: list[int], sp: SamplingParams) -> None:
         if not input_ids:
@@ -179,7 +192,8 @@ class Engine:
         if not sp.greedy:
             gen = torch.Generator(device=self.args.device)
             gen.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-        chain = build_chain(sp, self.eos_ids, self.vocab_size, self.args.device)
+        grammar = self.grammar_compiler().processor(sp, self.eos_ids) if sp.grammar is not None else None
+        chain = build_chain(sp, self.eos_ids, self.vocab_size, self.args.device, grammar)
         req = Req(
             rid or new_rid(),
             list(input_ids),

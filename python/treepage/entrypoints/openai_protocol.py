@@ -7,6 +7,7 @@ drive features treepage lacks (api_fields.py); check_inert() accepts those only 
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError, create_model
@@ -93,6 +94,38 @@ class StreamOptions(_InertStreamOptions):
 
 
 _PENALTY_KEYS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")
+_GRAMMAR_KEYS = ("json_schema", "regex", "ebnf")
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def response_format_schema(fmt: dict[str, Any] | None) -> str | None:
+    """OpenAI's response_format -> the JSON schema (a string) output must follow; None for plain text.
+
+    {"type": "text"}; {"type": "json_object"} (any JSON object); {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict", "description"}} (a missing schema means any JSON object)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text" and set(fmt) == {"type"}:
+        return None
+    if kind == "json_object" and set(fmt) == {"type"}:
+        return ANY_JSON_OBJECT
+    if kind == "json_schema" and set(fmt) <= {"type", "json_schema"}:
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not set(spec) <= {"name", "schema", "strict", "description"}:
+            raise InvalidField(
+                "response_format",
+                'json_schema must be an object with "name", "schema", "strict", "description"',
+            )
+        schema = spec.get("schema", {"type": "object"})
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidField("response_format", "json_schema.schema must be a JSON schema object")
+        return json.dumps(schema)
+    raise InvalidField(
+        "response_format",
+        f'must be {{"type": "text"}}, {{"type": "json_object"}} or '
+        f'{{"type": "json_schema", "json_schema": {{...}}}}, got {json.dumps(fmt)[:200]}',
+    )
 
 
 class _OpenAISampling(_Body):
@@ -117,6 +150,10 @@ class _OpenAISampling(_Body):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     min_tokens: StrictInt | None = None  # SGLang's min_new_tokens
+    # structured output (layers/grammar.py): SGLang's regex / ebnf, OpenAI's response_format
+    regex: str | None = None
+    ebnf: str | None = None
+    response_format: dict[str, Any] | None = None
     n: StrictInt | None = None  # parallel samples per prompt (docs/design.md, "Parallel sampling")
 
     def num_samples(self) -> int:
@@ -127,8 +164,8 @@ class _OpenAISampling(_Body):
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         sp: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": self.ignore_eos}
         sp["skip_special_tokens"] = self.skip_special_tokens
-        for key in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", *_PENALTY_KEYS):
-            value = getattr(self, key)
+        for key in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", *_PENALTY_KEYS, *_GRAMMAR_KEYS):
+            value = getattr(self, key, None)  # json_schema is a completions field only
             if value is not None:
                 sp[key] = value
         if self.min_tokens is not None:
@@ -137,6 +174,15 @@ class _OpenAISampling(_Body):
                     "min_tokens", f"min_tokens must be in [0, {max_new_tokens}] (max tokens), got {self.min_tokens}"
                 )
             sp["min_new_tokens"] = self.min_tokens
+        schema = response_format_schema(self.response_format)
+        if schema is not None:
+            others = [k for k in _GRAMMAR_KEYS if sp.get(k) is not None]
+            if others:
+                raise SamplingParamError(
+                    "response_format",
+                    f"only one of response_format, {', '.join(others)} may be set per request",
+                )
+            sp["json_schema"] = schema
         return sp
 
     @property
@@ -146,6 +192,7 @@ class _OpenAISampling(_Body):
 
 class CompletionRequest(_OpenAISampling, _InertCompletion):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    json_schema: str | None = None  # SGLang's completion field (chat has response_format)
     logprobs: StrictInt | None = None  # top-n per token (0: the chosen tokens' logprobs only)
     echo: bool = False  # the prompt is prepended to the text (and its logprobs to the logprobs)
 
@@ -222,6 +269,11 @@ class NativeSamplingParams(_InertSampling):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     min_new_tokens: StrictInt | None = None
+    json_schema: str | None = None  # structured output (layers/grammar.py): at most one of these
+    regex: str | None = None
+    ebnf: str | None = None
+    choice: list[str] | None = None
+    structural_tag: str | None = None
     n: StrictInt | None = None  # parallel samples of the prompt (GenerateRequest.num_samples)
 
     def to_dict(self) -> dict[str, Any]:

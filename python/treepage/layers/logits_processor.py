@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from treepage.core import Req
@@ -24,6 +25,8 @@ from treepage.core import Req
 
 class RequestLogitsProcessor(ABC):
     """One adjustment of one request's logits, stateful along the request's output."""
+
+    constrains = False  # True: some tokens are forbidden outright (a grammar), so `allowed` can prune drafts
 
     @abstractmethod
     def apply(self, logits: Tensor, paths: Sequence[Sequence[int]]) -> None:
@@ -37,6 +40,10 @@ class RequestLogitsProcessor(ABC):
     def reset(self) -> None:
         """Forget the accepted history (back to the state before the first output token)."""
 
+    def allowed(self, paths: Sequence[Sequence[int]]) -> Tensor | None:
+        """[R, V] bool: the tokens row i may take after the history + paths[i]; None: no token is forbidden."""
+        return None
+
 
 class LogitsProcessorChain:
     """A request's processors, applied in order, and the output history they have accepted."""
@@ -48,6 +55,18 @@ class LogitsProcessorChain:
     def apply(self, logits: Tensor, paths: Sequence[Sequence[int]]) -> None:
         for p in self.processors:
             p.apply(logits, paths)
+
+    @property
+    def constrains(self) -> bool:
+        return any(p.constrains for p in self.processors)
+
+    def allowed(self, paths: Sequence[Sequence[int]]) -> Tensor | None:
+        out: Tensor | None = None
+        for p in self.processors:
+            a = p.allowed(paths) if p.constrains else None
+            if a is not None:
+                out = a if out is None else out & a
+        return out
 
     def accept(self, tokens: Sequence[int]) -> None:
         self.history.extend(tokens)
@@ -87,6 +106,26 @@ def process_logits(
     for b, chain in enumerate(chains):
         if chain is not None:
             chain.apply(out[b * rows : (b + 1) * rows], paths[b] if paths is not None else [[]] * rows)
+    return out
+
+
+def constrained(reqs: Sequence[Req]) -> bool:
+    """Whether some request forbids tokens outright (a grammar): then draft candidates are pruned."""
+    return any(c is not None and c.constrains for c in map(chain_of, reqs))
+
+
+def allowed_tokens(reqs: Sequence[Req], paths: Sequence[Sequence[Sequence[int]]], vocab_size: int) -> Tensor | None:
+    """[B * R, V] bool (R rows per request, row paths as in process_logits): the tokens each row may take; None
+    when no request forbids any. Draft pruning reads it (speculative/eagle_worker.py)."""
+    out: Tensor | None = None
+    rows = len(paths[0]) if paths else 0
+    for b, chain in enumerate(map(chain_of, reqs)):
+        a = chain.allowed(paths[b]) if chain is not None and chain.constrains else None
+        if a is None:
+            continue
+        if out is None:
+            out = torch.ones(len(reqs) * rows, vocab_size, dtype=torch.bool, device=a.device)
+        out[b * rows : (b + 1) * rows] = a
     return out
 
 

@@ -127,11 +127,16 @@ class MinNewTokens(RequestLogitsProcessor):
 
 
 def build_chain(
-    sp: SamplingParams, stop_ids: Iterable[int], vocab_size: int, device: torch.device | str
+    sp: SamplingParams,
+    stop_ids: Iterable[int],
+    vocab_size: int,
+    device: torch.device | str,
+    grammar: RequestLogitsProcessor | None = None,
 ) -> LogitsProcessorChain | None:
     """A request's processors for its sampling params, or None when every value is neutral (no cost at all).
 
     `stop_ids`: the token ids that end a request (EOS); the request's own stop_token_ids are added here.
+    `grammar` (layers/grammar.py) comes last: its mask has the final word over any penalty or bias.
     """
     processors: list[RequestLogitsProcessor] = []
     if sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0:
@@ -143,4 +148,6 @@ def build_chain(
     if sp.min_new_tokens > 0 and not sp.ignore_eos:
         stops = {t for t in (*stop_ids, *sp.stop_token_ids) if 0 <= t < vocab_size}
         processors.append(MinNewTokens(sp.min_new_tokens, stops, device))
+    if grammar is not None:
+        processors.append(grammar)
     return LogitsProcessorChain(processors) if processors else None

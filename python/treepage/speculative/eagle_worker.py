@@ -51,6 +51,8 @@ from treepage.speculative.eagle_verify import (
 logger = logging.getLogger(__name__)
 
 OFF_DRAFT_SYNC_ENV = "TREEPAGE_OFF_DRAFT_SYNC"
+# "0" keeps draft candidates a grammar forbids (benchmark/bench_grammar.py measures the accept length both ways)
+GRAMMAR_PRUNE_ENV = "TREEPAGE_GRAMMAR_DRAFT_PRUNE"
 
 
 @dataclass
@@ -112,6 +114,7 @@ class EagleWorker(Worker):
         self.capture = {"last": CaptureHidden.LAST, "aux": CaptureHidden.AUX}.get(kind, CaptureHidden.NONE)
         self.states: dict[str, SpecState] = {}
         self.debug = SpecDebugCounters()
+        self.prune_drafts = os.environ.get(GRAMMAR_PRUNE_ENV, "1") != "0"
         self.off_draft_sync = os.environ.get(OFF_DRAFT_SYNC_ENV, "lazy")
         if self.off_draft_sync not in ("lazy", "eager"):
             raise ValueError(f"{OFF_DRAFT_SYNC_ENV} must be 'lazy' or 'eager', got {self.off_draft_sync!r}")
@@ -196,6 +199,19 @@ class EagleWorker(Worker):
         mapper = getattr(self.draft.model, "map_to_target_ids", None)
         return p, (mapper(idx) if mapper else idx)
 
+    def _prune(self, logits: torch.Tensor, reqs: list[Req], paths: list[list[list[int]]]) -> torch.Tensor:
+        """Draft logits [B * R, Vd] with the tokens each row's grammar forbids after its path set to -inf, so
+        they never become tree nodes (verification alone keeps the output exact; this raises acceptance)."""
+        allowed = logits_processor.allowed_tokens(reqs, paths, self.runner.config.vocab_size)
+        if allowed is None:
+            return logits
+        mapper = getattr(self.draft.model, "map_to_target_ids", None)
+        if mapper is not None:  # an EAGLE-3 draft vocabulary: draft id j proposes target id d2t(j)
+            allowed = allowed[:, mapper(torch.arange(logits.shape[1], device=allowed.device))]
+        else:
+            allowed = allowed[:, : logits.shape[1]]
+        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
     def _draft_extend(
         self, reqs: list[Req], tokens: list[list[int]], prefix: list[int], features: torch.Tensor | None
     ) -> None:
@@ -203,7 +219,10 @@ class EagleWorker(Worker):
         fb = self.draft.extend_batch([r.row for r in reqs], tokens, prefix, input_hidden=features)
         out = self.draft.forward(fb)
         assert out.logits is not None and fb.logits_indices is not None
-        p, idx = self._draft_topk(out.logits, self.K_max)
+        logits = out.logits
+        if self.prune_drafts and logits_processor.constrained(reqs):  # the next tree's step 0 follows the history
+            logits = self._prune(logits, reqs, [[[]] for _ in reqs])
+        p, idx = self._draft_topk(logits, self.K_max)
         last = out.hidden[fb.logits_indices]
         for i, r in enumerate(reqs):
             committed = prefix[i] + len(tokens[i])
@@ -290,6 +309,9 @@ class EagleWorker(Worker):
         topk_index = torch.stack([s.topk_index[:K] for s in states])
         hidden0 = torch.stack([s.hidden for s in states])
         state, ids, hidden = draft_step_first(topk_p, topk_index, hidden0)
+        # with a grammar, each frontier node's path (the drafted tokens from the root) prunes its children
+        prune = self.prune_drafts and logits_processor.constrained(reqs)
+        front = [[[t] for t in row] for row in topk_index.tolist()] if prune else []
         for i in range(1, S):
             fb = self.draft.make_batch(
                 mode=ForwardMode.DRAFT_DECODE,
@@ -303,9 +325,17 @@ class EagleWorker(Worker):
             out = self.draft.forward(fb)
             assert out.logits is not None
             h = out.hidden
-            p, idx = self._draft_topk(out.logits, K)
+            draft_logits = self._prune(out.logits, reqs, front) if prune else out.logits
+            p, idx = self._draft_topk(draft_logits, K)
             if i < S - 1:
                 ids, hidden = draft_step_next(i, state, p, idx, h)
+                if prune:
+                    assert state.last_parent_rows is not None
+                    nxt = ids.view(B, K).tolist()
+                    front = [
+                        [front[b][r] + [t] for r, t in zip(parents, nxt[b])]
+                        for b, parents in enumerate(state.last_parent_rows.tolist())
+                    ]
                 if K > 1 and state.last_parent_rows is not None:
                     self._regather_lanes(out_loc, state.last_parent_rows, i)
             else:
@@ -349,8 +379,8 @@ class EagleWorker(Worker):
         predict = res.predict
         tokens = [predict[b, : a_cpu[b]].tolist() for b in range(B)]
         feats = features[res.accept_index[valid]] if features is not None else None
+        logits_processor.commit(reqs, tokens)  # first: the draft extend prunes the next tree by the new history
         self._draft_extend(reqs, tokens, L_cpu, feats)
-        logits_processor.commit(reqs, tokens)
         self.debug.record(a_cpu, first_branch_of(tree, res.accepted_nodes).tolist())
         depths = self._chain_depths(reqs, tree, logits, S)
         outs = [StepOutput(t, x + n, verified=True, chain_depth=d) for t, x, n, d in zip(tokens, L_cpu, a_cpu, depths)]
