@@ -26,6 +26,7 @@ from treepage.model_executor.worker import Worker
 from treepage.server_args import ServerArgs
 from treepage.speculative import draft_layout as dl
 from treepage.speculative.adaptive import (
+    ONE_DRAFT,
     AdaptiveConfig,
     AdaptivePolicy,
     CostTable,
@@ -43,7 +44,7 @@ from treepage.speculative.eagle_tree import (
 from treepage.speculative.eagle_verify import (
     VerifyResult,
     first_branch_of,
-    top_chain_depth,
+    subtree_accept_len,
     verify_tree_greedy,
     verify_tree_sampling,
 )
@@ -138,8 +139,11 @@ class EagleWorker(Worker):
         """Feed a finished round's accept lengths and wall time to the policy (on the scheduler thread)."""
         if self.policy is not None:
             accept = [len(o.tokens) for o in outs if o.verified and o.tokens]
-            depths = [o.chain_depth for o in outs if o.chain_depth is not None]
-            self.policy.observe(shape, accept, len(outs), seconds, depths)
+            alt: dict[TreeShape, list[int]] = {}
+            for o in outs:
+                for label, n in (o.subtree_accept or {}).items():
+                    alt.setdefault(TreeShape.parse(label), []).append(n)
+            self.policy.observe(shape, accept, len(outs), seconds, alt)
 
     def timed_round(
         self, reqs: list[Req], allocated: list[int], shape: TreeShape
@@ -347,28 +351,47 @@ class EagleWorker(Worker):
         self._draft_extend(reqs, tokens, L_cpu, feats)
         logits_processor.commit(reqs, tokens)
         self.debug.record(a_cpu, first_branch_of(tree, res.accepted_nodes).tolist())
-        depths = self._chain_depths(reqs, tree, logits, S)
-        outs = [StepOutput(t, x + n, verified=True, chain_depth=d) for t, x, n, d in zip(tokens, L_cpu, a_cpu, depths)]
+        alt = self._subtree_accepts(reqs, tree, res.accepted_nodes, shape, a_cpu)
+        outs = [
+            StepOutput(t, x + n, verified=True, subtree_accept=d)
+            for t, x, n, d in zip(tokens, L_cpu, a_cpu, alt)
+        ]
         if logprobs.wanted(reqs):
             self._path_logprobs(reqs, outs, logits, res.accept_index)
         return outs
 
-    def _chain_depths(self, reqs: list[Req], tree: EagleTree, logits: torch.Tensor, S: int) -> list[int | None]:
-        """top_chain_depth of each greedy request, when an adaptive policy has chain shapes to learn about."""
-        if not isinstance(self.policy, AdaptivePolicy) or not self.policy.learns_chains:
+    def _subtree_accepts(
+        self,
+        reqs: list[Req],
+        tree: EagleTree,
+        accepted_nodes: torch.Tensor,
+        shape: TreeShape,
+        accept: list[int],
+    ) -> list[dict[str, int] | None]:
+        """Per greedy request, what this shape emitted and what ONE_DRAFT and each smaller candidate would have
+        (subtree_accept_len), when an adaptive policy learns from rounds it did not run."""
+        if not isinstance(self.policy, AdaptivePolicy):
             return [None] * len(reqs)
-        B, N = tree.draft_tokens.shape
-        depth = top_chain_depth(tree, logits.view(B, N, -1).argmax(-1), S).tolist()
-        return [d if r.sampling.greedy else None for r, d in zip(reqs, depth)]
+        smaller = list(dict.fromkeys(c for c in [ONE_DRAFT, *self.policy.sub_shapes(shape)] if c != shape))
+        cols = [subtree_accept_len(tree, accepted_nodes, c.steps, c.topk, c.draft_tokens) for c in smaller]
+        table = torch.stack(cols, dim=1).tolist() if cols else [[] for _ in reqs]
+        return [
+            {shape.label: a} | {c.label: n for c, n in zip(smaller, row)} if r.sampling.greedy else None
+            for r, row, a in zip(reqs, table, accept)
+        ]
 
     @staticmethod
-    def _path_logprobs(reqs: list[Req], outs: list[StepOutput], logits: torch.Tensor, rows: torch.Tensor) -> None:
+    def _path_logprobs(
+        reqs: list[Req], outs: list[StepOutput], logits: torch.Tensor, rows: torch.Tensor
+    ) -> None:
         """The target's logprobs of the emitted tokens: the j-th comes from the verify row of the accepted path's
         j-th node (the processed logits the round chose from), as a plain decode step would compute it."""
         ask = [b for b, r in enumerate(reqs) if r.logprob is not None]
         picked = torch.cat([rows[b, : len(outs[b].tokens)] for b in ask])
         entries = logprobs.token_logprobs(
-            logits[picked], [reqs[b] for b in ask for _ in outs[b].tokens], [t for b in ask for t in outs[b].tokens]
+            logits[picked],
+            [reqs[b] for b in ask for _ in outs[b].tokens],
+            [t for b in ask for t in outs[b].tokens],
         )
         for b in ask:
             n = len(outs[b].tokens)
@@ -431,4 +454,3 @@ class EagleWorker(Worker):
             predict[:, d] = torch.where((node >= 0) & (alen == d + 1), bonus, predict[:, d])
         base = torch.arange(B, device=logits.device)[:, None] * N
         return VerifyResult(torch.where(nodes >= 0, base + nodes, -1), alen, predict, nodes)
-
