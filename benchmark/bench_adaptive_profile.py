@@ -1,10 +1,11 @@
 """Where the time of a decode step goes with adaptive speculation, at batch 1 and batch 8: the default server's
 shape (4, 4, 16) fixed, the shapes the policy picks there ((3, 2, 6) at batch 1, plain decoding at batch 8),
-and the adaptive engine itself (its rounds per shape are recorded). cProfile of spec v1 steps
+and the adaptive engine itself, after 64 tokens of the same prompts (past its start-up exploration; its rounds
+per shape during the profile are recorded). cProfile of spec v1 steps
 (`common.profile_decode`; spec v2 would run its rounds on a forward thread the profiler does not see), on the
 default server's model, head, dtype and pages, general chat questions, greedy.
 
-    python benchmark/bench_adaptive_profile.py [--batch-sizes 1 8] [--new-tokens 32]
+    python benchmark/bench_adaptive_profile.py [--batch-sizes 1 8] [--new-tokens 48]
 
 Results: benchmark/results/<--name>.json and a markdown table per configuration.
 """
@@ -28,6 +29,7 @@ from common import (  # noqa: E402
     machine_line,
     print_table,
     profile_decode,
+    run_requests,
     write_results,
 )
 from make_eagle_data import heldout_questions  # noqa: E402
@@ -46,7 +48,7 @@ CONFIGS: dict[str, dict] = {
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--name", default="adaptive_profile_cpu")
     args = ap.parse_args(argv)
@@ -59,6 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
             for B in args.batch_sizes:
                 eng = Engine(ServerArgs(log_level="warning", disable_overlap_schedule=True, **CONFIGS[name]))
                 prompts = [chat_ids(eng.tokenizer, q) for q in questions[:B]]
+                if eng.adaptive_report() is not None:  # past the start-up exploration, with served estimates
+                    run_requests(eng, prompts, 64)
                 prof = profile_decode(eng, prompts, args.new_tokens)
                 report = eng.adaptive_report()
                 if report is not None:

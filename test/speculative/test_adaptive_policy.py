@@ -398,3 +398,20 @@ def test_smaller_shapes_learn_from_the_rounds_of_a_bigger_one():
     p.observe(ONE, [2, 2], 2, SECONDS[ONE.label][2], {ONE: [2, 2]})
     assert p.observed[CHAIN] == p.observed[MID] == 1 and p.observed[ONE] == 2
     assert p.rho(ONE) == pytest.approx(1.0)
+
+
+def test_round_clock_laps_one_batch_only():
+    """The policy is fed the spacing of consecutive rounds of the same batch (the scheduler's cycle included);
+    the first round of a batch, a new batch and a reset (prefill, release, spec v2 drain) start a new lap."""
+    import time
+
+    from treepage.speculative.eagle_worker import RoundClock
+
+    clock = RoundClock()
+    assert clock.lap(["a", "b"]) is None
+    time.sleep(0.01)
+    lap = clock.lap(["a", "b"])
+    assert lap is not None and lap >= 0.01
+    assert clock.lap(["a"]) is None  # the batch changed
+    clock.reset()
+    assert clock.lap(["a"]) is None

@@ -96,6 +96,27 @@ class SpecDebugCounters:
         }
 
 
+class RoundClock:
+    """The spacing of consecutive decode rounds of one batch as the scheduler sees them. A round costs
+    throughput the longer of its forward and the scheduler's own cycle around it (outputs, detokenisation,
+    reservation, and under spec v2 the hand-off between the threads), so the policy is fed the lap, not the
+    forward alone (docs/design.md "Adaptive speculation"). A new batch or a prefill starts a new lap."""
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+        self.rids: list[str] = []
+
+    def lap(self, rids: list[str]) -> float | None:
+        """Seconds since the previous lap of the same batch, or None; starts the next lap."""
+        now = time.perf_counter()
+        since = now - self.last if self.last is not None and rids == self.rids else None
+        self.last, self.rids = now, list(rids)
+        return since
+
+    def reset(self) -> None:
+        self.last = None
+
+
 class EagleWorker(Worker):
     def __init__(self, args: ServerArgs, target: ModelRunner, draft: ModelRunner) -> None:
         self.runner = target  # the target model's
@@ -113,6 +134,7 @@ class EagleWorker(Worker):
         self.capture = {"last": CaptureHidden.LAST, "aux": CaptureHidden.AUX}.get(kind, CaptureHidden.NONE)
         self.states: dict[str, SpecState] = {}
         self.debug = SpecDebugCounters()
+        self.clock = RoundClock()
         self.off_draft_sync = os.environ.get(OFF_DRAFT_SYNC_ENV, "lazy")
         if self.off_draft_sync not in ("lazy", "eager"):
             raise ValueError(f"{OFF_DRAFT_SYNC_ENV} must be 'lazy' or 'eager', got {self.off_draft_sync!r}")
@@ -155,6 +177,7 @@ class EagleWorker(Worker):
 
     # ---- the worker contract ----------------------------------------------------------------------------------
     def release(self, rids: list[str]) -> None:
+        self.clock.reset()
         for rid in rids:
             self.states.pop(rid, None)
 
@@ -164,13 +187,15 @@ class EagleWorker(Worker):
     def decode(self, reqs: list[Req]) -> list[StepOutput]:
         shape = self.next_shape(len(reqs))
         outs, seconds = self.timed_round(reqs, [r.allocated_len for r in reqs], shape)
-        self.observe(shape, outs, seconds)
+        lap = self.clock.lap([r.rid for r in reqs])
+        self.observe(shape, outs, max(seconds, lap or 0.0))
         return outs
 
     @torch.inference_mode()
     def prefill(self, reqs: list[Req], ends: list[int]) -> list[StepOutput]:
         """Target forward over each chunk, then the draft extend over the same positions: the draft's input at
         position p is token p + 1, which is the prompt's next token, or the sampled one at the end of the ids."""
+        self.clock.reset()
         starts = [r.kv_committed_len for r in reqs]
         ids = [r.all_ids() for r in reqs]
         chunks = [x[a:e] for x, a, e in zip(ids, starts, ends)]
