@@ -1,7 +1,7 @@
 """Where the time of a decode step goes with adaptive speculation, at batch 1 and batch 8: the default server's
 shape (4, 4, 16) fixed, the shapes the policy picks there ((3, 2, 6) at batch 1, plain decoding at batch 8),
 and the adaptive engine itself, after 64 tokens of the same prompts (past its start-up exploration; its rounds
-per shape during the profile are recorded). cProfile of spec v1 steps
+per shape over its life, warm-up and profile together, are recorded). cProfile of spec v1 steps
 (`common.profile_decode`; spec v2 would run its rounds on a forward thread the profiler does not see), on the
 default server's model, head, dtype and pages, general chat questions, greedy.
 

@@ -247,7 +247,7 @@ def step_parts() -> list[tuple[str, tuple[Callable, ...]]]:
         ("  reserve KV (reserve_round)", (Scheduler._reserve_round,)),
         ("  speculative round (EagleWorker.run_round)", (EagleWorker.run_round,)),
         (
-            "    adaptive policy: choose + observe + sub-tree accepts",
+            "  adaptive policy: choose + observe + sub-tree accepts",
             (AdaptivePolicy.choose, AdaptivePolicy.observe, EagleWorker._subtree_accepts),
         ),
         (
