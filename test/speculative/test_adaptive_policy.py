@@ -331,8 +331,12 @@ def test_a_new_load_level_probes_its_close_contenders_once():
     for _ in range(10):
         picks.append(p.choose(4))
         p.observe(picks[-1], [2] * 4, 4, served[picks[-1]])
-    assert picks[:2] == [MID, MID] and picks[2:] == [OFF] * 8  # MID probed twice at the new level, then OFF
+    # the level settles (4 rounds at batch 4), then MID is probed twice there, then OFF for good
+    assert picks[:2] == [OFF, OFF] and picks[2:4] == [MID, MID] and picks[4:] == [OFF] * 6
     assert p.rounds[BIG.label] == 0
+    for b in (3, 2, 1):  # a ramp down, one round per size: nothing is probed on the way
+        assert p.choose(b) == OFF
+        p.observe(OFF, [], b, 0.05)
 
 
 def test_rounds_of_one_shape_move_the_others_through_the_one_draft_excess():

@@ -58,6 +58,9 @@ TIME_PRIOR_ROUNDS = 2.0  # seconds calibrated at this very batch size count as t
 DERIVED_PRIOR_ROUNDS = 0.5  # an estimate derived from other batch sizes (interpolated, extrapolated, carried)
 MIN_PRIOR_EXCESS = 0.05  # a prior this close to one token says nothing about how predictable the traffic is
 PROBE_ROUNDS = 2  # rounds a close contender serves at a new load level before it counts as measured there
+# a load level is probed only once it has lasted this many rounds (batch sizes within a factor 1.5): a ramp of
+# arrivals or departures passes through sizes it does not stay at, and probes there cost without paying
+SETTLE_ROUNDS = 4
 
 
 def max_tree_nodes(steps: int, topk: int) -> int:
@@ -252,18 +255,19 @@ class AdaptivePolicy:
     (eagle_verify.subtree_accept_len of ONE_DRAFT), so it tracks the text whatever is served. rho(shape) is the
     shape's excess over one token per unit of h, a slow ratio of averages over the rounds where the shape's
     accept length is known in the same round: rounds it served, and greedy rounds of any shape that contains it
-    (`sub_shapes`). Paired on the same rounds, rho does not depend on which stretch of text the shape happened to
-    be served on; the calibration prior counts as `prior_rounds` rounds of each. t_round(shape, B) is an EMA (in log space, so one slow
-    outlier does not dominate) of the wall time of the rounds served with that shape at that batch size,
-    starting from the calibrated table times a per-shape scale learnt the same way at any batch size: a
-    calibration disturbed by other processes, or serving conditions it did not see (the overlap thread next to
-    the scheduler, longer contexts), is corrected within a few rounds. A shape that is never chosen would keep
-    stale estimates forever (and OFF would never learn that the traffic became predictable), so every
-    `probe_every` rounds the best other candidate (OFF included) runs once; before any choice, each candidate
-    serves `explore_rounds` rounds, so every shape's per-shape scale starts from served rounds. When the load
-    changes, the batch size moves to sizes no round has been served at: there, a candidate whose estimate comes
-    close to the chosen shape's (`probe_margin`) and that was never served near this size runs once, so the
-    decision at the new load rests on what rounds cost at that load.
+    (`sub_shapes`). Paired on the same rounds, rho does not depend on which stretch of text the shape happened
+    to be served on; the calibration prior counts as `prior_rounds` rounds of each. t_round(shape, B) is an EMA
+    (in log space, so one slow outlier does not dominate) of the laps (eagle_worker.RoundClock) of the rounds
+    served with that shape at that batch size, starting from the calibrated table times a per-shape scale
+    learnt the same way at any batch size: a calibration disturbed by other processes, or serving conditions
+    it did not see (the overlap thread next to the scheduler, longer contexts), is corrected within a few
+    rounds. A shape that is never chosen would keep stale estimates forever (and OFF would never learn that the
+    traffic became predictable), so every `probe_every` rounds the best other candidate (OFF included) runs
+    once; before any choice, each candidate serves `explore_rounds` rounds, so every shape's per-shape scale
+    starts from served rounds. When the load changes and the new level lasts (SETTLE_ROUNDS), the batch size
+    is one no round has been served at: there, a candidate whose estimate comes close to the chosen shape's
+    (`probe_margin`) and that was never served near this size runs twice, so the decision at the new load rests
+    on what rounds cost at that load; the sizes a ramp of arrivals or departures passes through are not probed.
     """
 
     def __init__(self, config: AdaptiveConfig, table: CostTable) -> None:
@@ -294,6 +298,8 @@ class AdaptivePolicy:
         self.served: Counter[tuple[TreeShape, int]] = Counter()
         self.current: TreeShape = self.candidates[0]
         self._since_probe = 0
+        self._level = 0  # the batch size of the current load level, and the rounds served at it in a row
+        self._level_rounds = 0
 
     def rate(self, shape: TreeShape, batch: int) -> float:
         """Expected output tokens per second of a round of this shape at this batch size."""
@@ -336,6 +342,9 @@ class AdaptivePolicy:
         ]
         return max(rivals, key=lambda c: self.rate(c, batch)) if rivals else None
 
+    def _same_level(self, batch: int) -> bool:
+        return self._level > 0 and max(batch, self._level) <= 1.5 * min(batch, self._level)
+
     def _weight(self, n: int, prior_rounds: float) -> float:
         """A running mean that starts with the prior worth prior_rounds rounds, until it is an EMA."""
         return max(self.config.ema, 1.0 / (prior_rounds + n + 1))
@@ -367,7 +376,9 @@ class AdaptivePolicy:
             )
             self.current = chosen
         self._since_probe += 1
-        rival = self._unmeasured_rival(chosen, batch_size) if self._served_near(chosen, batch_size) else None
+        settled = self._level_rounds >= SETTLE_ROUNDS and self._same_level(batch_size)
+        measured = settled and self._served_near(chosen, batch_size)
+        rival = self._unmeasured_rival(chosen, batch_size) if measured else None
         if rival is not None:  # a new load level: measure the close contenders there before settling
             chosen = rival
         elif self.config.probe_every > 0 and self._since_probe >= self.config.probe_every:
@@ -405,6 +416,10 @@ class AdaptivePolicy:
         (eagle_verify.subtree_accept_len)."""
         if shape not in self.accept or batch < 1:
             return
+        if self._same_level(batch):
+            self._level_rounds += 1
+        else:
+            self._level, self._level_rounds = batch, 1
         log_s = math.log(max(seconds, 1e-6))
         key = (shape, batch)
         before = math.log(self.seconds(shape, batch))
