@@ -239,12 +239,17 @@ def step_parts() -> list[tuple[str, tuple[Callable, ...]]]:
     from treepage.models.llama_eagle import LlamaForCausalLMEagle
     from treepage.models.llama_eagle3 import LlamaForCausalLMEagle3
     from treepage.speculative import draft_layout, eagle_tree, eagle_verify
+    from treepage.speculative.adaptive import AdaptivePolicy
     from treepage.speculative.eagle_worker import EagleWorker
 
     return [
         ("scheduler step (everything)", (Scheduler.step,)),
         ("  reserve KV (reserve_round)", (Scheduler._reserve_round,)),
         ("  speculative round (EagleWorker.run_round)", (EagleWorker.run_round,)),
+        (
+            "  adaptive policy: choose + observe + sub-tree accepts",
+            (AdaptivePolicy.choose, AdaptivePolicy.observe, EagleWorker._subtree_accepts),
+        ),
         (
             "    target forward: decode, or verify of N tree tokens (Llama forward + logits)",
             (LlamaForCausalLM.forward, LlamaForCausalLM.compute_logits),

@@ -221,9 +221,10 @@ class StepOutput:
     tokens: list[int]  # new tokens, in order (empty while an overlapped round is still in flight)
     committed_len: int  # positions whose target KV is final once these tokens are appended
     verified: bool = False  # the tokens come from a speculative verify round
-    # greedy verify rounds under adaptive speculation: the top-1 drafts in a row the target accepted
-    # (speculative/eagle_verify.top_chain_depth), the policy's evidence for chain shapes it did not run
-    chain_depth: int | None = None
+    # greedy verify rounds under adaptive speculation: shape label -> the tokens a smaller candidate shape would
+    # have emitted from the same draft state (speculative/eagle_verify.subtree_accept_len), the policy's evidence
+    # for shapes it did not run
+    subtree_accept: dict[str, int] | None = None
     # Only for requests with `Req.logprob` set: one entry per token of `tokens`, and the prompt entries this step
     # computed, for prompt positions input_logprobs_start, input_logprobs_start + 1, ...
     logprobs: list[TokenLogprob] | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import Counter
 
 import pytest
 
@@ -120,17 +121,21 @@ def test_hysteresis_holds_and_releases():
 
 
 def test_accept_estimate_moves_the_choice():
+    """E[accept] = 1 + rho * h: a greedy round moves h (the one-draft excess, prior 0.6) and the ratio of every
+    shape it knows (here MID and what MID contains); BIG, not known this round, moves with h alone."""
     p = policy(hysteresis=0.05, prior_rounds=8.0)
-    p.observe(
-        MID, [1, 2], 2, SECONDS[MID.label][2]
-    )  # the first round weighs 1/9 against the prior's 8 rounds
-    g = 1.0 + ((1.5 - 1.0) / (2.4 - 1.0) - 1.0) / 9  # the traffic factor after one round (prior: 8 rounds)
-    assert p.traffic == pytest.approx(g)
-    assert p.accept[MID] == pytest.approx((1.5 + 8 * (1 + 1.4 * g)) / 9)
-    assert p.accept[BIG] == pytest.approx(1 + 2.2 * g)  # never served: the prior scaled by the traffic
+    p.observe(MID, [1, 2], 2, SECONDS[MID.label][2], {MID: [1, 2], CHAIN: [1, 2], ONE: [1, 2]})
+    w = 1 / 9  # the first round weighs 1/9 against the prior's 8 rounds
+    h = (1 - w) * 0.6 + w * 0.5
+    assert p.hit == pytest.approx(h)
+    rho_mid = ((1 - w) * 1.4 + w * 0.5) / ((1 - w) * 0.6 + w * 0.5)
+    assert p.accept[MID] == pytest.approx(1 + rho_mid * h)
+    assert p.accept[BIG] == pytest.approx(1 + 2.2 / 0.6 * h)  # its calibrated ratio, today's traffic
     p.accept[BIG] = 4.0
     assert p.choose(1) == BIG
-    for _ in range(40):  # the traffic turns out unpredictable: one token per round
+    for _ in range(
+        40
+    ):  # the traffic turns out unpredictable: one token per round (sampled: no counterfactual)
         p.observe(BIG, [1, 1], 2, SECONDS[BIG.label][2])
     assert p.accept[BIG] < 1.1
     assert p.choose(1) != BIG
@@ -326,40 +331,91 @@ def test_a_new_load_level_probes_its_close_contenders_once():
     for _ in range(10):
         picks.append(p.choose(4))
         p.observe(picks[-1], [2] * 4, 4, served[picks[-1]])
-    assert picks[:2] == [MID, MID] and picks[2:] == [OFF] * 8  # MID probed twice at the new level, then OFF
+    # the level settles (4 rounds at batch 4), then MID is probed twice there, then OFF for good
+    assert picks[:2] == [OFF, OFF] and picks[2:4] == [MID, MID] and picks[4:] == [OFF] * 6
     assert p.rounds[BIG.label] == 0
+    for b in (3, 2, 1):  # a ramp down, one round per size: nothing is probed on the way
+        assert p.choose(b) == OFF
+        p.observe(OFF, [], b, 0.05)
 
 
-def test_rounds_of_one_shape_move_the_others_through_the_traffic_factor():
+def test_rounds_of_one_shape_move_the_others_through_the_one_draft_excess():
     """The calibration prompts were less predictable than the traffic: served single-draft rounds accept 2.0 where
-    the prior said 1.6. Every shape's excess over one token scales with them (g = 1.0 / 0.6), so the deeper
-    shapes, never served, now win at batch 1; a shape's own rounds then take over its estimate."""
+    the prior said 1.6. Every shape's estimate scales with h (0.6 -> 1.0), so the deeper shapes, never served,
+    now win at batch 1; that shape's own rounds then correct its ratio: it turns out to emit no more than the
+    single draft on this traffic, and loses its place."""
     p = policy(hysteresis=0.0, ema=0.1, prior_rounds=4.0)
     p.current = ONE
     for _ in range(60):
-        p.observe(ONE, [2], 1, SECONDS[ONE.label][1])
-    assert p.traffic == pytest.approx(1 / 0.6, rel=0.02)
+        p.observe(ONE, [2], 1, SECONDS[ONE.label][1], {ONE: [2]})
+    assert p.hit == pytest.approx(1.0, rel=0.02)
     assert p.accept[BIG] == pytest.approx(1 + 2.2 / 0.6, rel=0.02)
     best = p.choose(1)
     assert best not in (ONE, OFF) and best.label == brute_best({s.label: a for s, a in p.accept.items()}, 1)
-    for _ in range(60):  # but that shape itself accepts only 1.5 on this traffic
-        p.observe(best, [1, 2], 1, SECONDS[best.label][1])
-    own_weight = 10 / (10 + 4)
-    shared = 1 + (PRIOR[best.label] - 1) * p.traffic
-    assert p.accept[best] == pytest.approx(own_weight * 1.5 + (1 - own_weight) * shared, rel=1e-6)
+    for _ in range(200):
+        p.observe(best, [2], 1, SECONDS[best.label][1], {best: [2], ONE: [2]})
+    assert p.rho(best) == pytest.approx(1.0, rel=0.02) and p.accept[best] == pytest.approx(2.0, rel=0.02)
     assert p.choose(1) != best
 
 
-def test_chain_shapes_learn_from_the_rounds_of_a_tree():
-    """A served (4, 4, 16) round reports how many top-1 drafts in a row each greedy request's target accepted;
-    the chains (3, 1, 4) and (1, 1, 2) record what they would have accepted, without touching the traffic
-    factor (that would count the served round twice). A longer chain than the round's steps learns nothing."""
-    p = policy(hysteresis=0.0)
-    p.observe(BIG, [4, 1, 3], 3, SECONDS[BIG.label][2], chain_depths=[3, 0, 2])
-    assert p.own_accept[CHAIN] == pytest.approx((4 + 1 + 3) / 3)
-    assert p.own_accept[ONE] == pytest.approx((2 + 1 + 2) / 3)
-    assert p.observed[CHAIN] == p.observed[ONE] == p.observed[BIG] == 1 and p.traffic_rounds == 1
-    p.observe(ONE, [2, 2], 2, SECONDS[ONE.label][2], chain_depths=[1, 1])
-    assert p.observed[CHAIN] == 1  # 3 steps > the round's 1
-    assert p.own_accept[ONE] == pytest.approx(0.5 * 5 / 3 + 0.5 * 2)
+def test_estimates_do_not_keep_the_stretch_a_shape_was_last_served_on():
+    """Text alternates between hard and easy stretches. A shape served through a hard stretch, then dropped,
+    must not keep that stretch's acceptance while the text is easy again (with per-shape averages of served
+    rounds it did, and the policy under-speculated): every estimate follows the text of the recent rounds,
+    whichever shape served them. Accept lengths are consistent (a shape emits at least what its sub-shapes do)."""
+    true = {  # tokens per request-round of each shape (4 requests) on hard and on easy text
+        "hard": {BIG: [2, 2, 3, 4], MID: [2, 2, 2, 3], CHAIN: [2, 2, 2, 2], ONE: [1, 1, 2, 2]},
+        "easy": {BIG: [4, 4, 5, 5], MID: [3, 3, 4, 4], CHAIN: [3, 3, 3, 3], ONE: [2, 2, 2, 2]},
+    }
+    p = policy(hysteresis=0.05, include_off=False)  # OFF rounds know nothing of the text (probes: below)
+    served = Counter()
+    for stretch in range(8):
+        text = "hard" if stretch % 2 == 0 else "easy"
+        for _ in range(25):
+            shape = p.choose(4)
+            served[shape] += 1
+            cf = {c: true[text][c] for c in [shape, ONE, *p.sub_shapes(shape)]}
+            p.observe(shape, true[text][shape], 4, SECONDS[shape.label][4], cf)
+        for c in (BIG, MID, CHAIN, ONE):
+            want = sum(true[text][c]) / 4
+            assert p.accept[c] == pytest.approx(want, rel=0.15), (stretch, c.label, p.accept[c], want)
+    assert len(served) >= 2  # the choice moved with the text
 
+
+def test_smaller_shapes_learn_from_the_rounds_of_a_bigger_one():
+    """A served (4, 4, 16) round reports what every smaller candidate would have emitted for each greedy request
+    (eagle_verify.subtree_accept_len): the round moves h and the ratio of every shape it knows, paired on the
+    same requests. A shape learns only from rounds of shapes that contain it."""
+    p = policy(hysteresis=0.0)
+    assert p.sub_shapes(BIG) == [MID, CHAIN, ONE] and p.sub_shapes(MID) == [CHAIN, ONE]
+    assert p.sub_shapes(CHAIN) == [ONE] and p.sub_shapes(ONE) == [] and p.sub_shapes(OFF) == []
+    cf = {BIG: [4, 1, 3], MID: [3, 1, 3], CHAIN: [4, 1, 3], ONE: [2, 1, 2]}
+    p.observe(BIG, [4, 1, 3], 3, SECONDS[BIG.label][2], cf)
+    w = 1 / 5  # against the prior's 4 rounds
+    h = (1 - w) * 0.6 + w * 2 / 3
+    assert p.hit == pytest.approx(h)
+    for c, prior in ((BIG, 2.2), (MID, 1.4), (CHAIN, 1.2)):
+        own = sum(cf[c]) / 3 - 1
+        assert p.rho(c) == pytest.approx(((1 - w) * prior + w * own) / h), c
+        assert p.accept[c] == pytest.approx(1 + p.rho(c) * h)
+    assert p.observed[MID] == p.observed[CHAIN] == p.observed[ONE] == p.observed[BIG] == 1
+    p.observe(ONE, [2, 2], 2, SECONDS[ONE.label][2], {ONE: [2, 2]})
+    assert p.observed[CHAIN] == p.observed[MID] == 1 and p.observed[ONE] == 2
+    assert p.rho(ONE) == pytest.approx(1.0)
+
+
+def test_round_clock_laps_one_batch_only():
+    """The policy is fed the spacing of consecutive rounds of the same batch (the scheduler's cycle included);
+    the first round of a batch, a new batch and a reset (prefill, release, spec v2 drain) start a new lap."""
+    import time
+
+    from treepage.speculative.eagle_worker import RoundClock
+
+    clock = RoundClock()
+    assert clock.lap(["a", "b"]) is None
+    time.sleep(0.01)
+    lap = clock.lap(["a", "b"])
+    assert lap is not None and lap >= 0.01
+    assert clock.lap(["a"]) is None  # the batch changed
+    clock.reset()
+    assert clock.lap(["a"]) is None

@@ -48,10 +48,19 @@ class TreeShape:
 
 
 OFF = TreeShape(0, 1, 1)
+# One draft token: a sub-tree of every speculative round (the root's most likely child), so every greedy round
+# says what it would have emitted. Its excess over one token is the policy's measure of the traffic.
+ONE_DRAFT = TreeShape(1, 1, 2)
+RATIO_EMA = (
+    0.02  # weight of one round in a shape's excess ratio (a property of the shape more than of the text)
+)
 TIME_PRIOR_ROUNDS = 2.0  # seconds calibrated at this very batch size count as this many served rounds
 DERIVED_PRIOR_ROUNDS = 0.5  # an estimate derived from other batch sizes (interpolated, extrapolated, carried)
 MIN_PRIOR_EXCESS = 0.05  # a prior this close to one token says nothing about how predictable the traffic is
 PROBE_ROUNDS = 2  # rounds a close contender serves at a new load level before it counts as measured there
+# a load level is probed only once it has lasted this many rounds (batch sizes within a factor 1.5): a ramp of
+# arrivals or departures passes through sizes it does not stay at, and probes there cost without paying
+SETTLE_ROUNDS = 4
 
 
 def max_tree_nodes(steps: int, topk: int) -> int:
@@ -94,8 +103,10 @@ class AdaptiveConfig:
     candidates: list[TreeShape]
     include_off: bool = True
     hysteresis: float = 0.05  # switch only when the best shape beats the current one by this fraction
-    ema: float = 0.1  # weight of one round in the accept-length estimate
-    prior_rounds: float = 4.0  # the calibration prior counts as this many rounds before the EMA takes over
+    ema: float = 0.1  # weight of one round in the traffic's estimate (the one-draft excess)
+    prior_rounds: float = (
+        4.0  # the calibration prior counts as this many rounds before the averages take over
+    )
     probe_every: int = 32  # rounds between probes of the best other candidate (refreshes its estimates)
     explore_rounds: int = 4  # at start-up each candidate serves this many rounds, so served times exist
     # a candidate never served near the current batch size is probed once there when its estimate is at least
@@ -224,7 +235,12 @@ class ShapePolicy(Protocol):
     def choose(self, batch_size: int) -> TreeShape: ...
 
     def observe(
-        self, shape: TreeShape, accept_lens: list[int], batch: int, seconds: float, chain_depths: list[int]
+        self,
+        shape: TreeShape,
+        accept_lens: list[int],
+        batch: int,
+        seconds: float,
+        counterfactual: dict[TreeShape, list[int]] | None = None,
     ) -> None: ...
 
     def snapshot(self) -> dict[str, Any]: ...
@@ -233,33 +249,47 @@ class ShapePolicy(Protocol):
 class AdaptivePolicy:
     """argmax over candidates of E[accept] * B / t_round(shape, B), with hysteresis and occasional probes.
 
-    E[accept] (tokens emitted per request-round: accepted drafts + the bonus token; OFF emits exactly one) blends
-    two estimates. The shape's own: an EMA of its served rounds. The shared one: the calibration prior's excess
-    over one token scaled by a traffic factor g, an EMA over the rounds of every shape of (accept - 1) /
-    (prior - 1). Predictability is a property of the traffic more than of the shape, so rounds of the shape that
-    is being served move every other shape's estimate too (the calibration prompts are not the traffic). The
-    blend weighs the shared estimate as `prior_rounds` rounds against at most 1 / `ema` of the shape's own. t_round(shape, B) is an EMA (in log space, so one slow
-    outlier does not dominate) of the wall time of the rounds served with that shape at that batch size,
-    starting from the calibrated table times a per-shape scale learnt the same way at any batch size: a
-    calibration disturbed by other processes, or serving conditions it did not see (the overlap thread next to
-    the scheduler, longer contexts), is corrected within a few rounds. A shape that is never chosen would keep
-    stale estimates forever (and OFF would never learn that the traffic became predictable), so every
-    `probe_every` rounds the best other candidate (OFF included) runs once; before any choice, each candidate
-    serves `explore_rounds` rounds, so every shape's per-shape scale starts from served rounds. When the load
-    changes, the batch size moves to sizes no round has been served at: there, a candidate whose estimate comes
-    close to the chosen shape's (`probe_margin`) and that was never served near this size runs once, so the
-    decision at the new load rests on what rounds cost at that load.
+    E[accept] (tokens emitted per request-round: accepted drafts + the bonus token; OFF emits exactly one) is
+    1 + rho(shape) * h. h, the traffic, is an EMA over every speculative round of the one-draft excess (how often
+    the target takes the draft's most likely first token): every greedy round of any shape knows it
+    (eagle_verify.subtree_accept_len of ONE_DRAFT), so it tracks the text whatever is served. rho(shape) is the
+    shape's excess over one token per unit of h, a slow ratio of averages over the rounds where the shape's
+    accept length is known in the same round: rounds it served, and greedy rounds of any shape that contains it
+    (`sub_shapes`). Paired on the same rounds, rho does not depend on which stretch of text the shape happened
+    to be served on; the calibration prior counts as `prior_rounds` rounds of each. t_round(shape, B) is an EMA
+    (in log space, so one slow outlier does not dominate) of the laps (eagle_worker.RoundClock) of the rounds
+    served with that shape at that batch size, starting from the calibrated table times a per-shape scale
+    learnt the same way at any batch size: a calibration disturbed by other processes, or serving conditions
+    it did not see (the overlap thread next to the scheduler, longer contexts), is corrected within a few
+    rounds. A shape that is never chosen would keep stale estimates forever (and OFF would never learn that the
+    traffic became predictable), so every `probe_every` rounds the best other candidate (OFF included) runs
+    once; before any choice, each candidate serves `explore_rounds` rounds, so every shape's per-shape scale
+    starts from served rounds. When the load changes and the new level lasts (SETTLE_ROUNDS), the batch size
+    is one no round has been served at: there, a candidate whose estimate comes close to the chosen shape's
+    (`probe_margin`) and that was never served near this size runs twice, so the decision at the new load rests
+    on what rounds cost at that load; the sizes a ramp of arrivals or departures passes through are not probed.
     """
 
     def __init__(self, config: AdaptiveConfig, table: CostTable) -> None:
         self.config = config
         self.candidates = list(config.candidates) + ([OFF] if config.include_off else [])
         self.table = table
-        self.prior = {c: (1.0 if c.is_off else table.prior_accept[c.label]) for c in self.candidates}
-        self.accept = dict(self.prior)  # the blended E[accept] the policy ranks by
-        self.own_accept: dict[TreeShape, float] = {}  # EMA of each shape's served rounds
-        self.traffic = 1.0  # g: how much more (or less) predictable the traffic is than the calibration
-        self.traffic_rounds = 0
+        spec = [c for c in self.candidates if not c.is_off]
+        excess = {c: max(table.prior_accept[c.label] - 1.0, MIN_PRIOR_EXCESS) for c in spec}
+        # the calibration's one-draft excess; without that candidate, the smallest one bounds it from above
+        hit0 = table.prior_accept.get(ONE_DRAFT.label)
+        hit0 = max(hit0 - 1.0, MIN_PRIOR_EXCESS) if hit0 is not None else min(excess.values(), default=0.5)
+        k = config.prior_rounds
+        self.hit = hit0  # h: the one-draft excess of the recent rounds
+        self.hit_rounds = 0
+        # rho = num / den: averages of the shape's excess and of the one-draft excess over the same rounds
+        self.ratio_num = dict(excess)
+        self.ratio_den = dict.fromkeys(spec, hit0)
+        self.ratio_mass = dict.fromkeys(
+            spec, k
+        )  # total weight behind num and den (the prior's, then rounds')
+        self.accept: dict[TreeShape, float] = {c: 1.0 for c in self.candidates}  # the E[accept] ranked by
+        self._refresh_accept()
         self.rounds: Counter[str] = Counter()
         self.observed: Counter[TreeShape] = Counter()
         self.log_time_scale: dict[TreeShape, float] = dict.fromkeys(self.candidates, 0.0)
@@ -268,6 +298,8 @@ class AdaptivePolicy:
         self.served: Counter[tuple[TreeShape, int]] = Counter()
         self.current: TreeShape = self.candidates[0]
         self._since_probe = 0
+        self._level = 0  # the batch size of the current load level, and the rounds served at it in a row
+        self._level_rounds = 0
 
     def rate(self, shape: TreeShape, batch: int) -> float:
         """Expected output tokens per second of a round of this shape at this batch size."""
@@ -295,7 +327,9 @@ class AdaptivePolicy:
 
     def _served_near(self, shape: TreeShape, batch: int, rounds: int = 1) -> bool:
         """At least `rounds` rounds of this shape were served at batch sizes within a factor 1.5 of `batch`."""
-        near = sum(n for (s, b), n in self.served.items() if s == shape and max(b, batch) <= 1.5 * min(b, batch))
+        near = sum(
+            n for (s, b), n in self.served.items() if s == shape and max(b, batch) <= 1.5 * min(b, batch)
+        )
         return near >= rounds
 
     def _unmeasured_rival(self, chosen: TreeShape, batch: int) -> TreeShape | None:
@@ -307,6 +341,9 @@ class AdaptivePolicy:
             if c != chosen and not self._served_near(c, batch, PROBE_ROUNDS) and self.rate(c, batch) >= floor
         ]
         return max(rivals, key=lambda c: self.rate(c, batch)) if rivals else None
+
+    def _same_level(self, batch: int) -> bool:
+        return self._level > 0 and max(batch, self._level) <= 1.5 * min(batch, self._level)
 
     def _weight(self, n: int, prior_rounds: float) -> float:
         """A running mean that starts with the prior worth prior_rounds rounds, until it is an EMA."""
@@ -339,7 +376,9 @@ class AdaptivePolicy:
             )
             self.current = chosen
         self._since_probe += 1
-        rival = self._unmeasured_rival(chosen, batch_size) if self._served_near(chosen, batch_size) else None
+        settled = self._level_rounds >= SETTLE_ROUNDS and self._same_level(batch_size)
+        measured = settled and self._served_near(chosen, batch_size)
+        rival = self._unmeasured_rival(chosen, batch_size) if measured else None
         if rival is not None:  # a new load level: measure the close contenders there before settling
             chosen = rival
         elif self.config.probe_every > 0 and self._since_probe >= self.config.probe_every:
@@ -350,9 +389,18 @@ class AdaptivePolicy:
         self.rounds[chosen.label] += 1
         return chosen
 
-    @property
-    def learns_chains(self) -> bool:
-        return any(c.topk == 1 and not c.is_off for c in self.candidates)
+    def sub_shapes(self, shape: TreeShape) -> list[TreeShape]:
+        """The other candidates whose round a greedy round of `shape` can stand in for: no more steps, topk or
+        draft tokens (their tree is rebuilt inside this one: eagle_verify.subtree_accept_len)."""
+        return [
+            c
+            for c in self.candidates
+            if c != shape
+            and not c.is_off
+            and c.steps <= shape.steps
+            and c.topk <= shape.topk
+            and c.draft_tokens <= shape.draft_tokens
+        ]
 
     def observe(
         self,
@@ -360,17 +408,18 @@ class AdaptivePolicy:
         accept_lens: list[int],
         batch: int,
         seconds: float,
-        chain_depths: list[int] | None = None,
+        counterfactual: dict[TreeShape, list[int]] | None = None,
     ) -> None:
         """A served round: the tokens each request emitted, the batch size and the round's wall time; and, for
-        greedy requests, how many top-1 drafts in a row the target accepted (eagle_verify.top_chain_depth): every
-        chain of at most the round's steps would have accepted 1 + min(its steps, depth), so those chains learn
-        from rounds they did not run."""
+        its greedy requests (the same ones, in the same order, in every list), what the served shape, ONE_DRAFT
+        and each of `sub_shapes(shape)` emitted or would have emitted from the same draft state
+        (eagle_verify.subtree_accept_len)."""
         if shape not in self.accept or batch < 1:
             return
-        for c in self.candidates:
-            if chain_depths and c != shape and c.topk == 1 and not c.is_off and c.steps <= shape.steps:
-                self._observe_accept(c, [1 + min(c.steps, d) for d in chain_depths], shared=False)
+        if self._same_level(batch):
+            self._level_rounds += 1
+        else:
+            self._level, self._level_rounds = batch, 1
         log_s = math.log(max(seconds, 1e-6))
         key = (shape, batch)
         before = math.log(self.seconds(shape, batch))
@@ -384,33 +433,46 @@ class AdaptivePolicy:
         self.log_time_scale[shape] = (1 - w) * self.log_time_scale[shape] + w * ratio
         if shape.is_off or not accept_lens:
             return
-        self._observe_accept(shape, accept_lens, shared=True)
+        self._observe_accept(shape, accept_lens, counterfactual or {})
 
-    def _observe_accept(self, shape: TreeShape, accept_lens: list[int], shared: bool) -> None:
-        """One round's accept lengths of `shape` (served, or a chain's counterfactual): its own EMA, and with
-        `shared` the traffic factor (counterfactual rounds would count the served round twice there)."""
-        mean = sum(accept_lens) / len(accept_lens)
-        w = max(self.config.ema, 1.0 / (self.observed[shape] + 1))
-        self.observed[shape] += 1
-        self.own_accept[shape] = (1 - w) * self.own_accept.get(shape, mean) + w * mean
-        excess = self.prior[shape] - 1.0
-        if shared and excess > MIN_PRIOR_EXCESS:
-            w = self._weight(self.traffic_rounds, self.config.prior_rounds)
-            self.traffic_rounds += 1
-            self.traffic = (1 - w) * self.traffic + w * (mean - 1.0) / excess
-        for c in self.candidates:
-            if not c.is_off:
-                self.accept[c] = self.expected_accept(c)
+    def _observe_accept(
+        self, shape: TreeShape, accept_lens: list[int], counterfactual: dict[TreeShape, list[int]]
+    ) -> None:
+        """h from the round's one-draft excess, and rho of every shape whose accept length the round knows."""
+
+        def excess(lens: list[int]) -> float:
+            return sum(lens) / len(lens) - 1.0
+
+        ref = counterfactual.get(ONE_DRAFT) or (accept_lens if shape == ONE_DRAFT else None)
+        if ref:
+            hit = excess(ref)
+            for c, lens in counterfactual.items():
+                if c in self.ratio_num and lens and len(lens) == len(ref):
+                    w = max(RATIO_EMA, 1.0 / (self.ratio_mass[c] + 1.0))
+                    self.ratio_mass[c] += 1.0
+                    self.ratio_num[c] = (1 - w) * self.ratio_num[c] + w * excess(lens)
+                    self.ratio_den[c] = (1 - w) * self.ratio_den[c] + w * hit
+                    self.observed[c] += 1
+            if shape == ONE_DRAFT and shape not in counterfactual:
+                self.observed[shape] += 1
+        else:  # no greedy request: the served shape's own excess, through its ratio
+            hit = excess(accept_lens) / max(self.rho(shape), 1e-6)
+            self.observed[shape] += 1
+        w = self._weight(self.hit_rounds, self.config.prior_rounds)
+        self.hit_rounds += 1
+        self.hit = (1 - w) * self.hit + w * hit
+        self._refresh_accept()
+
+    def rho(self, shape: TreeShape) -> float:
+        """The shape's excess over one token per unit of the one-draft excess."""
+        return self.ratio_num[shape] / max(self.ratio_den[shape], 1e-6)
 
     def expected_accept(self, shape: TreeShape) -> float:
-        """The shared estimate (prior scaled by the traffic factor) blended with the shape's own served rounds."""
-        shared = 1.0 + (self.prior[shape] - 1.0) * self.traffic
-        own = self.own_accept.get(shape)
-        if own is None:
-            return shared
-        n = min(float(self.observed[shape]), 1.0 / self.config.ema)
-        k = self.config.prior_rounds
-        return (n * own + k * shared) / (n + k)
+        return 1.0 if shape.is_off else 1.0 + self.rho(shape) * self.hit
+
+    def _refresh_accept(self) -> None:
+        for c in self.candidates:
+            self.accept[c] = self.expected_accept(c)
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -419,8 +481,9 @@ class AdaptivePolicy:
             "candidates": [c.label for c in self.candidates],
             "rounds": {c.label: self.rounds[c.label] for c in self.candidates},
             "accept_estimate": {c.label: round(a, 4) for c, a in self.accept.items()},
-            "traffic_factor": round(self.traffic, 4),
-            # rounds each estimate has seen: served ones, and for chains the rounds of longer shapes
+            "one_draft_excess": round(self.hit, 4),  # h
+            "excess_ratio": {c.label: round(self.rho(c), 4) for c in self.ratio_num},
+            # rounds each estimate has seen: served ones, and those of bigger shapes that contain it
             "accept_rounds": {c.label: self.observed[c] for c in self.candidates if not c.is_off},
             "time_scale": {c.label: round(math.exp(x), 4) for c, x in self.log_time_scale.items()},
             "served_seconds": {
@@ -456,7 +519,7 @@ class CyclePolicy:
         accept_lens: list[int],
         batch: int,
         seconds: float,
-        chain_depths: list[int] | None = None,
+        counterfactual: dict[TreeShape, list[int]] | None = None,
     ) -> None:
         """Nothing to learn: the schedule is fixed."""
 

@@ -48,6 +48,9 @@ class EagleTree:
     retrieve_index: Tensor  # [B, N] global row b*N + m
     retrieve_next_token: Tensor  # [B, N] first child or -1
     retrieve_next_sibling: Tensor  # [B, N] next sibling or -1
+    # [B, N] cumulative draft log-prob (the root 0): what ranked the nodes; a smaller shape's sub-tree is picked
+    # by it (eagle_verify.subtree_accept_len). A chain built without scores gets minus the depth (same order).
+    score: Tensor
 
     @property
     def num_nodes(self) -> int:
@@ -138,7 +141,7 @@ def _links(parent: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _finish(
-    draft_tokens: Tensor, parent: Tensor, depth: Tensor, seq_lens: Tensor, max_depth: int
+    draft_tokens: Tensor, parent: Tensor, depth: Tensor, score: Tensor, seq_lens: Tensor, max_depth: int
 ) -> EagleTree:
     bs, n = parent.shape
     dev = parent.device
@@ -158,17 +161,25 @@ def _finish(
         retrieve_index=retrieve_index,
         retrieve_next_token=next_token,
         retrieve_next_sibling=next_sibling,
+        score=score,
     )
 
 
-def chain_tree(root_tokens: Tensor, chain_tokens: Tensor, seq_lens: Tensor) -> EagleTree:
-    """K == 1: the tree is the chain root -> t_1 -> ... -> t_S (N = S + 1)."""
+def chain_tree(
+    root_tokens: Tensor, chain_tokens: Tensor, seq_lens: Tensor, chain_scores: Tensor | None = None
+) -> EagleTree:
+    """K == 1: the tree is the chain root -> t_1 -> ... -> t_S (N = S + 1); `chain_scores` [B, S] the cumulative
+    draft log-probs of t_1..t_S."""
     bs, s = chain_tokens.shape
     n = s + 1
     dev = chain_tokens.device
     idx = torch.arange(n, device=dev)
     tokens = torch.cat([root_tokens.view(bs, 1).to(chain_tokens.dtype), chain_tokens], dim=1)
     depth = idx.repeat(bs, 1)
+    if chain_scores is None:
+        score = -depth.float()
+    else:
+        score = torch.cat([torch.zeros(bs, 1, device=dev), chain_scores.float()], dim=1)
     nxt = torch.where(idx + 1 < n, idx + 1, -1).repeat(bs, 1)
     return EagleTree(
         draft_tokens=tokens,
@@ -179,6 +190,7 @@ def chain_tree(root_tokens: Tensor, chain_tokens: Tensor, seq_lens: Tensor) -> E
         retrieve_index=torch.arange(bs, device=dev).unsqueeze(1) * n + idx,
         retrieve_next_token=nxt,
         retrieve_next_sibling=torch.full((bs, n), -1, dtype=torch.int64, device=dev),
+        score=score,
     )
 
 
@@ -202,7 +214,7 @@ def build_tree(
     if k == 1:
         if n != s + 1:
             raise ValueError(f"topk=1 requires num_draft_tokens == num_steps + 1, got N={n}, S={s}")
-        return chain_tree(root_tokens, tokens, seq_lens)
+        return chain_tree(root_tokens, tokens, seq_lens, torch.cat(state.score_list, dim=1))
     scores = torch.cat(state.score_list, dim=1)
     sel = _best_first(scores, n - 1).sort(dim=1).values  # [B, N-1] flat ids, ascending
     parent_flat = torch.cat(state.parent_list, dim=1).gather(1, sel // k)  # -1 => child of the root
@@ -214,4 +226,5 @@ def build_tree(
     depth_sel = torch.where(sel < k, 1, 2 + (sel - k) // (k * k))
     depth = torch.cat([torch.zeros_like(root), depth_sel], dim=1)
     draft_tokens = torch.cat([root_tokens.view(bs, 1).to(tokens.dtype), tokens.gather(1, sel)], dim=1)
-    return _finish(draft_tokens, parent, depth, seq_lens, s)
+    score = torch.cat([torch.zeros(bs, 1, device=tokens.device), scores.gather(1, sel)], dim=1)
+    return _finish(draft_tokens, parent, depth, score, seq_lens, s)

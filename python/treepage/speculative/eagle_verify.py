@@ -146,25 +146,44 @@ def first_branch_of(tree: EagleTree, accepted_nodes: Tensor) -> Tensor:
     return torch.where(node >= 1, earlier.sum(1), -1)
 
 
-def top_chain_depth(tree: EagleTree, argmax: Tensor, num_steps: int) -> Tensor:
-    """[B]: how many of the draft's top-1 tokens in a row, from the root, the target's argmax ([B, N]) accepts.
+def _best_of(member: Tensor, score: Tensor, k: int) -> Tensor:
+    """[B, N] bool: the k best nodes of `member` by (-score, node index), as the draft tree ranks them."""
+    order = torch.sort(score, dim=1, descending=True, stable=True).indices
+    first = torch.sort(member.gather(1, order).to(torch.int8), dim=1, descending=True, stable=True).indices
+    top = order.gather(1, first)[:, :k]
+    return torch.zeros_like(member).scatter_(1, top, member.gather(1, top))
 
-    Every node's first child is its most likely draft token (siblings are in score order, and a sibling is never
-    selected without the better ones), so the first-child path is the chain a topk-1 draft would have proposed
-    from the same state: a chain of S' steps would have accepted 1 + min(S', depth) tokens this round (fewer
-    only when the chain fell out of the tree's frontier, so this never overstates). Adaptive speculation uses
-    it as evidence for the chain shapes it is not running.
+
+def subtree_accept_len(
+    tree: EagleTree, accepted_nodes: Tensor, steps: int, topk: int, draft_tokens: int
+) -> Tensor:
+    """[B]: the tokens a greedy round of the smaller shape (steps, topk, draft_tokens) would have emitted from the
+    same draft state, read off this round's tree and its greedy accepted path (`accepted_nodes`, [B, S+1]).
+
+    The smaller round's tree is rebuilt inside this one the way the draft builds it: at each depth, the top
+    `topk` children of the frontier, the frontier being the `topk` best of them by score; then the
+    `draft_tokens - 1` best nodes. Its nodes carry the same tokens and scores as here (same draft state, same
+    ancestors), so its greedy walk is this round's accepted path for as long as the path stays inside it: the
+    round emits 1 + that many tokens. Exact whenever the smaller tree lies inside this one (for topk 1: the
+    first-child path, each node's most likely draft); otherwise a node it would have drafted is missing here
+    and the count is a lower bound (the served tree kept the best nodes of a wider beam, so such nodes rank
+    low). test/speculative/test_eagle_verify.py checks both against the smaller round itself.
     """
-    bs = argmax.shape[0]
-    dev = argmax.device
-    cur = torch.zeros(bs, dtype=torch.int64, device=dev)
-    depth = torch.zeros(bs, dtype=torch.int64, device=dev)
-    alive = torch.ones(bs, dtype=torch.bool, device=dev)
-    for _ in range(num_steps):
-        child = tree.retrieve_next_token.gather(1, cur.unsqueeze(1)).squeeze(1)
-        token = tree.draft_tokens.gather(1, child.clamp(min=0).unsqueeze(1)).squeeze(1).to(torch.int64)
-        alive = alive & (child >= 0) & (token == argmax.gather(1, cur.unsqueeze(1)).squeeze(1))
-        depth += alive.to(torch.int64)
-        cur = torch.where(alive, child, cur)
-    return depth
-
+    n = tree.num_nodes
+    dev = tree.parent.device
+    idx = torch.arange(n, device=dev)
+    parent = tree.parent.clamp(min=0)
+    same_parent = tree.parent.unsqueeze(2) == tree.parent.unsqueeze(1)  # [B, m, m']
+    sibling_rank = (same_parent & (idx.view(1, 1, n) < idx.view(1, n, 1))).sum(
+        2
+    )  # siblings are in score order
+    frontier = (idx == 0).expand_as(tree.parent)
+    kept = frontier.clone()
+    for d in range(1, steps + 1):
+        drafted = (tree.depth == d) & (sibling_rank < topk) & frontier.gather(1, parent)
+        kept = kept | drafted
+        frontier = _best_of(drafted, tree.score, topk)
+    chosen = _best_of(kept & (idx != 0), tree.score, draft_tokens - 1)
+    chosen[:, 0] = True
+    inside = chosen.gather(1, accepted_nodes.clamp(min=0)) & (accepted_nodes >= 0)
+    return inside.to(torch.int64).cumprod(dim=1).sum(dim=1)

@@ -26,6 +26,7 @@ from treepage.model_executor.worker import Worker
 from treepage.server_args import ServerArgs
 from treepage.speculative import draft_layout as dl
 from treepage.speculative.adaptive import (
+    ONE_DRAFT,
     AdaptiveConfig,
     AdaptivePolicy,
     CostTable,
@@ -43,7 +44,7 @@ from treepage.speculative.eagle_tree import (
 from treepage.speculative.eagle_verify import (
     VerifyResult,
     first_branch_of,
-    top_chain_depth,
+    subtree_accept_len,
     verify_tree_greedy,
     verify_tree_sampling,
 )
@@ -97,6 +98,27 @@ class SpecDebugCounters:
         }
 
 
+class RoundClock:
+    """The spacing of consecutive decode rounds of one batch as the scheduler sees them. A round costs
+    throughput the longer of its forward and the scheduler's own cycle around it (outputs, detokenisation,
+    reservation, and under spec v2 the hand-off between the threads), so the policy is fed the lap, not the
+    forward alone (docs/design.md "Adaptive speculation"). A new batch or a prefill starts a new lap."""
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+        self.rids: list[str] = []
+
+    def lap(self, rids: list[str]) -> float | None:
+        """Seconds since the previous lap of the same batch, or None; starts the next lap."""
+        now = time.perf_counter()
+        since = now - self.last if self.last is not None and rids == self.rids else None
+        self.last, self.rids = now, list(rids)
+        return since
+
+    def reset(self) -> None:
+        self.last = None
+
+
 class EagleWorker(Worker):
     def __init__(self, args: ServerArgs, target: ModelRunner, draft: ModelRunner) -> None:
         self.runner = target  # the target model's
@@ -115,6 +137,7 @@ class EagleWorker(Worker):
         self.states: dict[str, SpecState] = {}
         self.debug = SpecDebugCounters()
         self.prune_drafts = os.environ.get(GRAMMAR_PRUNE_ENV, "1") != "0"
+        self.clock = RoundClock()
         self.off_draft_sync = os.environ.get(OFF_DRAFT_SYNC_ENV, "lazy")
         if self.off_draft_sync not in ("lazy", "eager"):
             raise ValueError(f"{OFF_DRAFT_SYNC_ENV} must be 'lazy' or 'eager', got {self.off_draft_sync!r}")
@@ -141,8 +164,11 @@ class EagleWorker(Worker):
         """Feed a finished round's accept lengths and wall time to the policy (on the scheduler thread)."""
         if self.policy is not None:
             accept = [len(o.tokens) for o in outs if o.verified and o.tokens]
-            depths = [o.chain_depth for o in outs if o.chain_depth is not None]
-            self.policy.observe(shape, accept, len(outs), seconds, depths)
+            alt: dict[TreeShape, list[int]] = {}
+            for o in outs:
+                for label, n in (o.subtree_accept or {}).items():
+                    alt.setdefault(TreeShape.parse(label), []).append(n)
+            self.policy.observe(shape, accept, len(outs), seconds, alt)
 
     def timed_round(
         self, reqs: list[Req], allocated: list[int], shape: TreeShape
@@ -154,6 +180,7 @@ class EagleWorker(Worker):
 
     # ---- the worker contract ----------------------------------------------------------------------------------
     def release(self, rids: list[str]) -> None:
+        self.clock.reset()
         for rid in rids:
             self.states.pop(rid, None)
 
@@ -168,13 +195,15 @@ class EagleWorker(Worker):
     def decode(self, reqs: list[Req]) -> list[StepOutput]:
         shape = self.next_shape(len(reqs))
         outs, seconds = self.timed_round(reqs, [r.allocated_len for r in reqs], shape)
-        self.observe(shape, outs, seconds)
+        lap = self.clock.lap([r.rid for r in reqs])
+        self.observe(shape, outs, max(seconds, lap or 0.0))
         return outs
 
     @torch.inference_mode()
     def prefill(self, reqs: list[Req], ends: list[int]) -> list[StepOutput]:
         """Target forward over each chunk, then the draft extend over the same positions: the draft's input at
         position p is token p + 1, which is the prompt's next token, or the sampled one at the end of the ids."""
+        self.clock.reset()
         starts = [r.kv_committed_len for r in reqs]
         ids = [r.all_ids() for r in reqs]
         chunks = [x[a:e] for x, a, e in zip(ids, starts, ends)]
@@ -382,28 +411,47 @@ class EagleWorker(Worker):
         logits_processor.commit(reqs, tokens)  # first: the draft extend prunes the next tree by the new history
         self._draft_extend(reqs, tokens, L_cpu, feats)
         self.debug.record(a_cpu, first_branch_of(tree, res.accepted_nodes).tolist())
-        depths = self._chain_depths(reqs, tree, logits, S)
-        outs = [StepOutput(t, x + n, verified=True, chain_depth=d) for t, x, n, d in zip(tokens, L_cpu, a_cpu, depths)]
+        alt = self._subtree_accepts(reqs, tree, res.accepted_nodes, shape, a_cpu)
+        outs = [
+            StepOutput(t, x + n, verified=True, subtree_accept=d)
+            for t, x, n, d in zip(tokens, L_cpu, a_cpu, alt)
+        ]
         if logprobs.wanted(reqs):
             self._path_logprobs(reqs, outs, logits, res.accept_index)
         return outs
 
-    def _chain_depths(self, reqs: list[Req], tree: EagleTree, logits: torch.Tensor, S: int) -> list[int | None]:
-        """top_chain_depth of each greedy request, when an adaptive policy has chain shapes to learn about."""
-        if not isinstance(self.policy, AdaptivePolicy) or not self.policy.learns_chains:
+    def _subtree_accepts(
+        self,
+        reqs: list[Req],
+        tree: EagleTree,
+        accepted_nodes: torch.Tensor,
+        shape: TreeShape,
+        accept: list[int],
+    ) -> list[dict[str, int] | None]:
+        """Per greedy request, what this shape emitted and what ONE_DRAFT and each smaller candidate would have
+        (subtree_accept_len), when an adaptive policy learns from rounds it did not run."""
+        if not isinstance(self.policy, AdaptivePolicy):
             return [None] * len(reqs)
-        B, N = tree.draft_tokens.shape
-        depth = top_chain_depth(tree, logits.view(B, N, -1).argmax(-1), S).tolist()
-        return [d if r.sampling.greedy else None for r, d in zip(reqs, depth)]
+        smaller = list(dict.fromkeys(c for c in [ONE_DRAFT, *self.policy.sub_shapes(shape)] if c != shape))
+        cols = [subtree_accept_len(tree, accepted_nodes, c.steps, c.topk, c.draft_tokens) for c in smaller]
+        table = torch.stack(cols, dim=1).tolist() if cols else [[] for _ in reqs]
+        return [
+            {shape.label: a} | {c.label: n for c, n in zip(smaller, row)} if r.sampling.greedy else None
+            for r, row, a in zip(reqs, table, accept)
+        ]
 
     @staticmethod
-    def _path_logprobs(reqs: list[Req], outs: list[StepOutput], logits: torch.Tensor, rows: torch.Tensor) -> None:
+    def _path_logprobs(
+        reqs: list[Req], outs: list[StepOutput], logits: torch.Tensor, rows: torch.Tensor
+    ) -> None:
         """The target's logprobs of the emitted tokens: the j-th comes from the verify row of the accepted path's
         j-th node (the processed logits the round chose from), as a plain decode step would compute it."""
         ask = [b for b, r in enumerate(reqs) if r.logprob is not None]
         picked = torch.cat([rows[b, : len(outs[b].tokens)] for b in ask])
         entries = logprobs.token_logprobs(
-            logits[picked], [reqs[b] for b in ask for _ in outs[b].tokens], [t for b in ask for t in outs[b].tokens]
+            logits[picked],
+            [reqs[b] for b in ask for _ in outs[b].tokens],
+            [t for b in ask for t in outs[b].tokens],
         )
         for b in ask:
             n = len(outs[b].tokens)
@@ -466,4 +514,3 @@ class EagleWorker(Worker):
             predict[:, d] = torch.where((node >= 0) & (alen == d + 1), bonus, predict[:, d])
         base = torch.arange(B, device=logits.device)[:, None] * N
         return VerifyResult(torch.where(nodes >= 0, base + nodes, -1), alen, predict, nodes)
-

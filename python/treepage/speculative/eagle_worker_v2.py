@@ -40,6 +40,7 @@ class EagleWorkerV2(EagleWorker):
         if self.inflight is None:
             return
         done, self.inflight = self.inflight, None
+        self.clock.reset()
         outs, seconds = done.future.result()
         self.observe(done.shape, outs, seconds)
         self.pending.update(zip(done.rids, outs))
@@ -54,9 +55,11 @@ class EagleWorkerV2(EagleWorker):
         fut = self.executor.submit(self.timed_round, list(reqs), [r.allocated_len for r in reqs], shape)
         prev, self.inflight = self.inflight, _Inflight(rids, shape, fut)
         if prev is None:  # the first round of a pipeline: its tokens arrive with the next call
+            self.clock.lap(rids)
             return [StepOutput([], r.kv_committed_len) for r in reqs]
         outs, seconds = prev.future.result()
-        self.observe(prev.shape, outs, seconds)
+        lap = self.clock.lap(rids)  # since the previous round's hand-back: the pipeline's period
+        self.observe(prev.shape, outs, max(seconds, lap or 0.0))
         return outs
 
     def prefill(self, reqs: list[Req], ends: list[int]) -> list[StepOutput]:
