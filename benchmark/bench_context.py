@@ -79,13 +79,18 @@ class Timer:
         setattr(self.owner, self.attr, self.inner)
 
 
-def make_engine(dtype: str, max_len: int, max_batch: int, steps: int) -> Engine:
+def make_engine(dtype: str, max_len: int, max_batch: int, steps: int, chunk: int = -1) -> Engine:
+    """The prefix cache is off (a repeated prompt would hit the previous repeat's pages) and, by default, so is
+    chunked prefill: the target compares one forward over the prompt on both sides (--chunked-prefill-size
+    measures the server's chunked schedule instead)."""
     per_req = max_len + steps + 16
     engine = Engine(
         speculative_algorithm="NONE",
         page_size=1,
         dtype=dtype,
         log_level="warning",
+        disable_radix_cache=True,
+        chunked_prefill_size=chunk,
         max_total_tokens=max_batch * per_req + 1024,
         max_running_requests=max(8, max_batch),
     )
@@ -187,7 +192,7 @@ def summary(clocks: list[Clock], best: bool = False) -> dict:
 
 
 def measure_dtype(dtype: str, args) -> dict:
-    engine = make_engine(dtype, max(args.lengths), max(args.batches), args.steps)
+    engine = make_engine(dtype, max(args.lengths), max(args.batches), args.steps, args.chunked_prefill_size)
     hf = load_hf(engine.args.model_path, DTYPES[dtype], "cpu")
     tok = engine.tokenizer
     treepage_prefill(engine, 64)  # warm-up, both sides
@@ -368,6 +373,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--steps", type=int, default=12, help="timed decode steps per measurement")
     ap.add_argument("--repeats", type=int, default=2, help="prefills per length and side (best counts)")
+    ap.add_argument(
+        "--chunked-prefill-size", type=int, default=-1, help="treepage's prefill chunk (-1: one forward, as HF)"
+    )
     ap.add_argument("--profile", action="store_true", help="kernel vs torch attention breakdown instead")
     ap.add_argument("--profile-lengths", type=int, nargs="+", default=[32, 2048])
     ap.add_argument("--rounds", type=int, default=3, help="--profile: alternations kernel / torch path")

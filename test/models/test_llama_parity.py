@@ -150,6 +150,22 @@ def test_tiny_llama_parity(fixture: str, page_size: int, backend: str, request) 
         engine.shutdown()
 
 
+def test_tiny_llama_parity_long_prefill_paths(tiny_llama3_dir: str, monkeypatch) -> None:
+    """The paths a long prefill takes (separate projections instead of the fused matmul, SDPA per request on the
+    fresh prompt's own K/V instead of the kernel), forced at tiny sizes, equal transformers too."""
+    from treepage.layers import linear
+    from treepage.layers.attention import torch_native_backend
+
+    monkeypatch.setattr(linear, "FUSED_MAX_ROWS", 0)
+    monkeypatch.setattr(torch_native_backend, "KERNEL_MAX_EXTEND", 0)
+    hf = hf_from_dir(tiny_llama3_dir)
+    engine = Engine(ServerArgs(model_path=tiny_llama3_dir, dtype="float32", page_size=4, max_total_tokens=1024))
+    try:
+        check_parity(engine, hf, engine.tokenizer.encode(TEXT))
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.slow
 def test_smollm2_gguf_parity(smollm2_gguf_path: str) -> None:
     hf = hf_from_gguf(smollm2_gguf_path)

@@ -5,13 +5,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# Rows (tokens) up to which the fused matmul serves; longer inputs (prefills) run the separate projections, which
+# read the same weights (views of the fused tensor). One call instead of three saves the thread-pool wake-up
+# and the call overhead that dominate a decode step, but for hundreds of rows MKL's fp32 GEMM over the wider
+# fused weight ran 2-5 % slower than the separate ones (docs/benchmarks_context.md).
+FUSED_MAX_ROWS = 128
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    """Whether a projection of input x [T, H] should run the fused matmul (see FUSED_MAX_ROWS)."""
+    return x.shape[0] <= FUSED_MAX_ROWS
+
 
 @torch.no_grad()
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight, bias) with F.linear(x, weight, bias) == torch.cat([lin(x) for lin in linears], -1).
 
     One larger GEMM instead of several small ones saves a call per projection (on a CPU each call also wakes the
-    thread pool). The originals' parameters become views of the fused tensors: memory stays the same, the
+    thread pool); callers pick the fused or the separate path per input with use_fused. The originals' parameters become views of the fused tensors: memory stays the same, the
     state_dict keeps the checkpoint's names, and an in-place update of, say, q_proj.weight reaches the fused
     matmul too. The fused tensors are plain attributes of the caller, not parameters.
     """

@@ -31,7 +31,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    cos: torch.Tensor  # [max_position, D / 2] buffers
+    """Tables are full head width, sin with the rotate-half sign folded in (first half negated), so a rotation is
+    x * cos + swap_halves(x) * sin: no per-layer concatenation of the tables and no negation of x. The rows of one
+    forward's positions are gathered once and reused by every layer (the model calls this once per layer with the
+    same positions tensor)."""
+
+    cos: torch.Tensor  # [max_position, D] buffers: [cos, cos] and [-sin, sin]
     sin: torch.Tensor
 
     def __init__(
@@ -41,22 +46,29 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat([-sin, sin], dim=-1), persistent=False)
+        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin rows [T, 1, D] of these positions; gathered once per positions tensor (held, so its id is not
+        reused while it is cached)."""
+        rows = self._rows
+        if rows is None or rows[0] is not positions or rows[1].device != positions.device:
+            rows = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+            self._rows = rows
+        return rows[1], rows[2]
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hk, D]; rotates in fp32, returns the input dtype."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self.tables(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
-    c = torch.cat([cos, cos], dim=-1)
-    s = torch.cat([sin, sin], dim=-1)
-    rot = torch.cat([-x2, x1], dim=-1)
-    return (xf * c + rot * s).to(x.dtype)
+    return (xf * cos + torch.cat([x2, x1], dim=-1) * sin).to(x.dtype)

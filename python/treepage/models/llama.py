@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treepage.layers.forward_batch import CaptureHidden, ForwardBatch, ModelOutput
-from treepage.layers.linear import fuse_linears
+from treepage.layers.linear import fuse_linears, use_fused
 from treepage.layers.norm import RMSNorm
 from treepage.layers.rope import RotaryEmbedding
 from treepage.models.config import ModelConfig
@@ -38,7 +38,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         T = x.shape[0]
-        if self.qkv is not None:
+        if self.qkv is not None and use_fused(x):
             q, k, v = F.linear(x, *self.qkv).split(
                 [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1
             )
@@ -64,7 +64,7 @@ class LlamaMLP(nn.Module):
         self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None:
+        if self.gate_up is not None and use_fused(x):
             gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)

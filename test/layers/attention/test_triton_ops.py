@@ -414,6 +414,31 @@ def test_torch_native_ragged_verify_runs_per_request(monkeypatch):
     assert_close(native.extend(q, finite(cache).k, cache.v, meta, 0.3), ref, torch.float32)
 
 
+def test_torch_native_fresh_prompt_attends_its_new_kv(monkeypatch):
+    """A request without a cached prefix reads the K/V the forward just computed, not the pool: with its pool
+    pages poisoned it still matches the dense reference (the others, with prefixes, still read the pool)."""
+    native = TorchNativeAttnBackend()
+    monkeypatch.setattr(torch_native_backend, "KERNEL_MAX_EXTEND", 0)  # SDPA per request, as a long prefill
+    cache, q, meta, ref = make_extend(4, torch.float32, tree=False, seed=60)
+    assert int(meta.prefix_lens[0]) == 0 and int(meta.prefix_lens[1]) > 0
+    qo, prefix = meta.qo_indptr.tolist(), meta.prefix_lens.tolist()
+    new_k, new_v = [], []
+    for b in range(len(prefix)):
+        k, v = cache.gather(meta.page_table[b], prefix[b] + qo[b + 1] - qo[b])
+        new_k.append(k[prefix[b] :])
+        new_v.append(v[prefix[b] :])
+    new_kv = (torch.cat(new_k), torch.cat(new_v))
+    cache = finite(cache)
+    assert_close(native.extend(q, cache.k, cache.v, meta, 0.3, new_kv=new_kv), ref, torch.float32)
+    n0 = qo[1] - qo[0]
+    pos = torch.arange(n0, device=DEV)
+    slots = meta.page_table[0].long()[pos // 4] * 4 + pos % 4
+    cache.k[slots], cache.v[slots] = float("nan"), float("nan")
+    out = native.extend(q, cache.k, cache.v, meta, 0.3, new_kv=new_kv)
+    assert_close(out, ref, torch.float32)
+    assert torch.isnan(native.extend(q, cache.k, cache.v, meta, 0.3)[: qo[1]]).all()  # the pool path reads NaN
+
+
 # ---------------------------------------------------------------- the CPU kernel (torch_native) vs dense
 
 needs_kernel = pytest.mark.skipif(

@@ -122,12 +122,21 @@ class AttentionBackend(ABC):
             return self.cascade_draft_decode(q, k_cache, v_cache, meta, scaling)
         if meta.mode == ForwardMode.DECODE:
             return self.decode(q, k_cache, v_cache, meta, scaling)
-        return self.extend(q, k_cache, v_cache, meta, scaling)
+        return self.extend(q, k_cache, v_cache, meta, scaling, new_kv=(k, v))
 
     @abstractmethod
     def extend(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scaling: float
-    ) -> Tensor: ...
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scaling: float,
+        new_kv: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """new_kv: this forward's K/V rows [T, Hkv, D] as the pool just stored them from (token-major, like q). A
+        request without a cached prefix may attend to them instead of reading its whole context back out of the
+        pool; a backend may ignore them."""
 
     @abstractmethod
     def decode(

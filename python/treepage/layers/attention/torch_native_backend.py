@@ -148,9 +148,17 @@ class TorchNativeAttnBackend(AttentionBackend):
         return plan
 
     def extend(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scaling: float
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scaling: float,
+        new_kv: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        """Tree verify and short extends in the kernel; prefill per request with SDPA, unpadded."""
+        """Tree verify and short extends in the kernel; prefill per request with SDPA, unpadded. A fresh prompt
+        attends to its new K/V as computed (when the pool stores them unconverted, the same values) instead of
+        gathering them back out of the pool."""
         lib = self.kernel_for(q, k_cache)
         if lib is not None and (meta.custom_mask is not None or meta.max_q_len <= KERNEL_MAX_EXTEND):
             out, _ = cpu_kernels.paged_attention(lib, self.kernel_plan(meta), q, k_cache, v_cache, scaling)
@@ -168,11 +176,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         qo = meta.qo_indptr.tolist()
         prefix = meta.prefix_lens.tolist()
         out = torch.empty_like(q)
+        local = new_kv is not None and new_kv[0].dtype == k_cache.dtype and meta.custom_mask is None
         for b in range(len(prefix)):
             s, e = qo[b], qo[b + 1]
             q_len, kv_len = e - s, prefix[b] + e - s
-            k = gather_by_page_table(k_cache, table[b : b + 1], P, kv_len)
-            v = gather_by_page_table(v_cache, table[b : b + 1], P, kv_len)
+            if local and prefix[b] == 0:
+                assert new_kv is not None
+                k, v = new_kv[0][None, s:e], new_kv[1][None, s:e]
+            else:
+                k = gather_by_page_table(k_cache, table[b : b + 1], P, kv_len)
+                v = gather_by_page_table(v_cache, table[b : b + 1], P, kv_len)
             mask: Tensor | None
             if meta.custom_mask is None and prefix[b] == 0:
                 mask = None  # a fresh prompt: plain causal

@@ -23,6 +23,7 @@ class TritonAttnBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scaling: float,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         page_table, qo_indptr, prefix_lens = meta.page_table, meta.qo_indptr, meta.prefix_lens
         assert page_table is not None and qo_indptr is not None and prefix_lens is not None
