@@ -109,8 +109,7 @@ class GrammarCompiler:
         given = sp.grammar
         if given is None:
             return None
-        stops = {t for t in (*stop_ids, *sp.stop_token_ids) if 0 <= t < self.vocab_size}
-        return GrammarProcessor(self.compile(*given), stops, self.vocab_size)
+        return GrammarProcessor(self.compile(*given), sp.stop_token_set(stop_ids, self.vocab_size), self.vocab_size)
 
 
 def _need_str(field: str, value: Any) -> str:
