@@ -45,17 +45,15 @@ class GrammarTimer:
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self.calls = 0
         self._lock = threading.Lock()
 
     def add(self, seconds: float) -> None:
         with self._lock:
             self.seconds += seconds
-            self.calls += 1
 
     def reset(self) -> None:
         with self._lock:
-            self.seconds, self.calls = 0.0, 0
+            self.seconds = 0.0
 
 
 TIMER = GrammarTimer()
