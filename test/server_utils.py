@@ -71,3 +71,38 @@ def launch_server(args: list[str], log_path: Path, startup_timeout: float = 120.
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def tiny_spec_server_args(model_dir: str, model_name: str, max_total_tokens: int = 8192) -> list[str]:
+    """A tree-speculative server (STANDALONE, the model drafting for itself; K 4, S 3, N 8) on a tiny model."""
+    return ["--model-path", model_dir, "--served-model-name", model_name, "--dtype", "float32",
+            "--page-size", "4", "--max-total-tokens", str(max_total_tokens),
+            "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", model_dir,
+            "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
+            "--speculative-num-draft-tokens", "8"]  # fmt: skip
+
+
+@contextmanager
+def checked_server(args: list[str], log_path: Path, strict: bool = False) -> Iterator[str]:
+    """launch_server (with `strict`, under TREEPAGE_STRICT_MEM_CHECK=1); at the end the server is still healthy,
+    holds no page, row or lock once its last requests drained (10 s), and logged no traceback or leak."""
+    saved = os.environ.get("TREEPAGE_STRICT_MEM_CHECK")
+    if strict:
+        os.environ["TREEPAGE_STRICT_MEM_CHECK"] = "1"
+    try:
+        with launch_server(args, log_path) as url:
+            yield url
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+            deadline = time.monotonic() + 10
+            while (mem := httpx.get(f"{url}/debug/memory", timeout=10).json())["used_pages"] or mem["used_rows"]:
+                assert time.monotonic() < deadline, f"KV leak or stuck request: {mem}"
+                time.sleep(0.05)
+            assert mem["locked_pages"] == 0, mem
+    finally:
+        if strict:
+            if saved is None:
+                os.environ.pop("TREEPAGE_STRICT_MEM_CHECK", None)
+            else:
+                os.environ["TREEPAGE_STRICT_MEM_CHECK"] = saved
+    text = log_path.read_text(errors="replace")
+    assert "Traceback" not in text and "MemoryLeakError" not in text, log_tail(log_path, 200)

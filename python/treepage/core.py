@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +105,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    def stop_token_set(self, eos_ids: Iterable[int], vocab_size: int) -> set[int]:
+        """The tokens that end this request: the engine's EOS ids and the request's own stop_token_ids."""
+        return {t for t in (*eos_ids, *self.stop_token_ids) if 0 <= t < vocab_size}
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError with a message fit for an HTTP 400 (a SamplingParamError names its field); turns

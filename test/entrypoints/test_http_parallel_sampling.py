@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from server_utils import launch_server, log_tail
+from server_utils import checked_server, tiny_spec_server_args
 
 MODEL = "tiny"
 N = 4
@@ -24,26 +24,8 @@ CHAT = [{"role": "user", "content": "Say something."}]
 @pytest.fixture(scope="module")
 def base(tiny_llama_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("http_nsample") / "server.log"
-    args = ["--model-path", tiny_llama_dir, "--served-model-name", MODEL, "--dtype", "float32",
-            "--page-size", "4", "--max-total-tokens", "16384",
-            "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", tiny_llama_dir,
-            "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
-            "--speculative-num-draft-tokens", "8"]  # fmt: skip
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TREEPAGE_STRICT_MEM_CHECK", "1")
-    try:
-        with launch_server(args, log) as url:
-            yield url
-            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-            deadline = time.monotonic() + 10
-            while (mem := httpx.get(f"{url}/debug/memory", timeout=10).json())["used_pages"] or mem["used_rows"]:
-                assert time.monotonic() < deadline, f"KV leak or stuck request: {mem}"
-                time.sleep(0.05)
-            assert mem["locked_pages"] == 0, mem
-    finally:
-        mp.undo()
-    text = log.read_text(errors="replace")
-    assert "Traceback" not in text and "MemoryLeakError" not in text, log_tail(log, 200)
+    with checked_server(tiny_spec_server_args(tiny_llama_dir, MODEL, max_total_tokens=16384), log, strict=True) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

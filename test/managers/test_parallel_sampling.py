@@ -72,6 +72,7 @@ class PrefillLog:
     def __init__(self, eng: Engine) -> None:
         self.eng = eng
         self.calls: list[dict] = []
+        self.batches: list[list[str]] = []  # the rids of each prefill call
         self.problems: list[str] = []
         self._prefill = eng.worker.prefill
         eng.worker.prefill = self  # type: ignore[method-assign]
@@ -81,6 +82,7 @@ class PrefillLog:
         P = self.eng.args.page_size
         pools = [self.eng.worker.runner.kv_pool] + ([self.eng.worker.draft.kv_pool] if hasattr(self.eng.worker, "draft") else [])
         before = {}
+        self.batches.append([r.rid for r in reqs])
         for r, end in zip(reqs, ends):
             self.calls.append({"rid": r.rid, "start": r.kv_committed_len, "end": end})
             group = r.group
@@ -136,10 +138,12 @@ def assert_no_leak(eng: Engine) -> None:
 def check_group(eng: Engine, ids: list[int], params: dict, log: PrefillLog, spec: bool = False) -> list[list[int]]:
     """n samples once and again; each equals its seeded single; the prompt was prefilled once."""
     log.calls.clear()
+    log.batches.clear()
     fresh = eng.scheduler.cache.num_pages == 0  # nothing cached: the first sample prefills the whole prompt
     outs = run_n(eng, ids, params)
     computed = log.computed()
     assert log.calls[0]["end"] == len(ids) and computed[1:] == [1] * (N - 1), log.calls
+    assert len(log.batches) == 2, log.batches  # the first sample, then every other one in one prefill
     assert computed[0] == len(ids) or not fresh, log.calls
     assert not log.problems, log.problems
     assert run_n(eng, ids, params) == outs  # reproducible
@@ -249,6 +253,22 @@ def test_speculative_samples(ckpts, topk, page, version, cache):
         greedy = check_group(eng, ids, GREEDY, log)
         assert greedy[0] == greedy_ref  # spec on == spec off
         check_group(eng, ids, SAMPLED, log)
+
+
+def test_constrained_penalised_samples_are_independent(ckpts):
+    """Each sample has its own processors (grammar matcher, penalty counts): with a regex and a frequency penalty
+    under tree speculation, sample i still equals the seeded single and every output follows the regex. A chain
+    shared by the samples would advance one matcher by all their tokens."""
+    import re
+
+    with make_engine(ckpts, 4, topk=8, max_total_tokens=32768) as eng:
+        log = PrefillLog(eng)
+        params = {**SAMPLED, "regex": r"[a-z]{2,5}\.", "frequency_penalty": 0.5}
+        outs = check_group(eng, prompt(9, 4), params, log)
+        for out in outs:
+            body = [t for t in out if t not in eng.eos_ids]
+            assert len(body) < len(out), out  # the grammar ended, stop tokens follow (ignore_eos)
+            assert re.fullmatch(r"[a-z]{2,5}\.", eng.tokenizer.decode(body)), eng.tokenizer.decode(body)
 
 
 def test_n_validated(ckpts):

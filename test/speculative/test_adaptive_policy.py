@@ -133,9 +133,8 @@ def test_accept_estimate_moves_the_choice():
     assert p.accept[BIG] == pytest.approx(1 + 2.2 / 0.6 * h)  # its calibrated ratio, today's traffic
     p.accept[BIG] = 4.0
     assert p.choose(1) == BIG
-    for _ in range(
-        40
-    ):  # the traffic turns out unpredictable: one token per round (sampled: no counterfactual)
+    # the traffic turns out unpredictable: one token per round (sampled: no counterfactual)
+    for _ in range(40):
         p.observe(BIG, [1, 1], 2, SECONDS[BIG.label][2])
     assert p.accept[BIG] < 1.1
     assert p.choose(1) != BIG

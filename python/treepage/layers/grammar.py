@@ -45,17 +45,15 @@ class GrammarTimer:
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self.calls = 0
         self._lock = threading.Lock()
 
     def add(self, seconds: float) -> None:
         with self._lock:
             self.seconds += seconds
-            self.calls += 1
 
     def reset(self) -> None:
         with self._lock:
-            self.seconds, self.calls = 0.0, 0
+            self.seconds = 0.0
 
 
 TIMER = GrammarTimer()
@@ -109,8 +107,7 @@ class GrammarCompiler:
         given = sp.grammar
         if given is None:
             return None
-        stops = {t for t in (*stop_ids, *sp.stop_token_ids) if 0 <= t < self.vocab_size}
-        return GrammarProcessor(self.compile(*given), stops, self.vocab_size)
+        return GrammarProcessor(self.compile(*given), sp.stop_token_set(stop_ids, self.vocab_size), self.vocab_size)
 
 
 def _need_str(field: str, value: Any) -> str:

@@ -146,8 +146,7 @@ def build_chain(
     if sp.logit_bias:
         processors.append(LogitBias(sp.logit_bias, device))
     if sp.min_new_tokens > 0 and not sp.ignore_eos:
-        stops = {t for t in (*stop_ids, *sp.stop_token_ids) if 0 <= t < vocab_size}
-        processors.append(MinNewTokens(sp.min_new_tokens, stops, device))
+        processors.append(MinNewTokens(sp.min_new_tokens, sp.stop_token_set(stop_ids, vocab_size), device))
     if grammar is not None:
         processors.append(grammar)
     return LogitsProcessorChain(processors) if processors else None

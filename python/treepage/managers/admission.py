@@ -64,8 +64,6 @@ class Admission:
             req = waiting[0]
             group = req.group
             fresh = group is not None and not req.output_ids  # a sample not prefilled yet
-            if fresh and any(m in admitted for m in group.members):  # type: ignore[union-attr]
-                break  # its prompt is being prefilled by a sibling: wait one step and share it
             n = req.seq_len
             ids = req.all_ids()
             # A hit always leaves at least one token to prefill: the last position's logits give the next token;
@@ -73,9 +71,11 @@ class Admission:
             limit = n - 1
             if needs_prompt_logprobs(req):
                 limit = min(limit, first_prompt_logit(req))
+            donor = self._donor(req, limit, admitted) if fresh else None
+            if fresh and donor is None and any(m in admitted for m in group.members):  # type: ignore[union-attr]
+                break  # its prompt is being prefilled by a sibling: wait one step and share it
             match = cache.match_prefix(cache.key_of(ids)[:limit], shared=group is not None)
             m = match.num_units(self.page_size)
-            donor = self._donor(req, limit) if fresh else None
             start = limit if donor is not None else m  # [m, limit) is copied from the donor
             if admitted and (n - start > budget or self.chunked(n - start)):
                 break
@@ -116,12 +116,14 @@ class Admission:
         return admitted, too_large
 
     @staticmethod
-    def _donor(req: Req, upto: int) -> Req | None:
+    def _donor(req: Req, upto: int, admitted: list[Req]) -> Req | None:
         """A resident sample of the same prompt whose KV of positions [0, upto) is final; None when every other
-        sample has finished or is not resident (then `req` prefills what the tree does not hold itself)."""
+        sample has finished or is not resident (then `req` prefills what the tree does not hold itself). A sibling
+        admitted in the same call is no donor: its KV is not computed (or copied) yet. The samples that do have a
+        donor are admitted together, one prefill for all of them."""
         assert req.group is not None
         for other in req.group.members:
-            if other is not req and other.row >= 0 and other.kv_committed_len >= upto:
+            if other is not req and other not in admitted and other.row >= 0 and other.kv_committed_len >= upto:
                 return other
         return None
 
