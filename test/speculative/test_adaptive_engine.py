@@ -113,3 +113,39 @@ def test_missing_pinned_table_is_measured_and_written(ckpts, tmp_path):
         assert "off" in data["round_seconds"] and data["key"]["dtype"] == "float32"
     finally:
         eng.shutdown()
+
+
+def test_accept_priors_are_paired_on_the_largest_shapes_rounds(ckpts, tmp_path, monkeypatch):
+    """Calibration serves only the shapes no other contains and reads every contained shape (and the one-draft
+    chain) off the same rounds, so a contained shape's prior never exceeds its container's."""
+    import treepage.speculative.calibrate as calibrate
+
+    monkeypatch.setenv("TREEPAGE_CACHE_DIR", str(tmp_path / "cache"))
+    served: list[str] = []
+    measured: dict[str, float] = {}
+    real = calibrate._measure_accept
+
+    def spy(worker, shapes, prompts):
+        run_round = worker.run_round
+
+        def recording(reqs, allocated, shape):
+            served.append(shape.label)
+            return run_round(reqs, allocated, shape)
+
+        worker.run_round = recording
+        try:
+            measured.update(real(worker, shapes, prompts))
+        finally:
+            del worker.run_round
+        return dict(measured)
+
+    monkeypatch.setattr(calibrate, "_measure_accept", spy)
+    eng = adaptive_engine(ckpts, 1)
+    try:
+        assert set(served) == {"4x4x16"} and len(served) == calibrate.ACCEPT_PASSES * 4
+        prior = eng.get_server_info()["speculative_adaptive"]["calibration"]["prior_accept"]
+        assert prior == pytest.approx(measured)
+        assert prior["4x4x16"] >= prior["3x2x6"] >= prior["3x1x4"] >= prior["1x1x2"] >= 1.0 == prior["off"]
+        assert prior["4x4x16"] > 1.0  # the sharp target accepts drafts: the test measures something
+    finally:
+        eng.shutdown()

@@ -16,6 +16,7 @@ import math
 import os
 import statistics
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -64,6 +65,26 @@ SETTLE_ROUNDS = 4
 def max_tree_nodes(steps: int, topk: int) -> int:
     """Draft nodes a round can produce: K at step 0, K*K at each later step."""
     return topk + (steps - 1) * topk * topk
+
+
+def sub_shapes(shapes: Sequence[TreeShape], shape: TreeShape) -> list[TreeShape]:
+    """The other shapes whose round a greedy round of `shape` can stand in for: no more steps, topk or draft
+    tokens (their tree is rebuilt inside this one: eagle_verify.subtree_accept_len)."""
+    return [
+        c
+        for c in shapes
+        if c != shape
+        and not c.is_off
+        and c.steps <= shape.steps
+        and c.topk <= shape.topk
+        and c.draft_tokens <= shape.draft_tokens
+    ]
+
+
+def maximal_shapes(shapes: Sequence[TreeShape]) -> list[TreeShape]:
+    """The speculative shapes no other one contains: their greedy rounds stand in for all the rest."""
+    spec = [s for s in shapes if not s.is_off]
+    return [s for s in spec if not any(s in sub_shapes(spec, o) for o in spec)]
 
 
 def check_shape(shape: TreeShape) -> str | None:
@@ -382,17 +403,7 @@ class AdaptivePolicy:
         return chosen
 
     def sub_shapes(self, shape: TreeShape) -> list[TreeShape]:
-        """The other candidates whose round a greedy round of `shape` can stand in for: no more steps, topk or
-        draft tokens (their tree is rebuilt inside this one: eagle_verify.subtree_accept_len)."""
-        return [
-            c
-            for c in self.candidates
-            if c != shape
-            and not c.is_off
-            and c.steps <= shape.steps
-            and c.topk <= shape.topk
-            and c.draft_tokens <= shape.draft_tokens
-        ]
+        return sub_shapes(self.candidates, shape)
 
     def observe(
         self,

@@ -24,18 +24,20 @@ from treepage.mem_cache.sizing import alloc_len_for_shape
 from treepage.server_args import ServerArgs
 from treepage.speculative.adaptive import (
     OFF,
+    ONE_DRAFT,
     CostTable,
     TreeShape,
     cache_key,
     default_cache_path,
     load_table,
+    maximal_shapes,
     save_table,
 )
 from treepage.speculative.eagle_worker import EagleWorker, SpecDebugCounters
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 5  # part of the cache key: a change to what is measured invalidates old tables
+CALIBRATION_VERSION = 6  # part of the cache key: a change to what is measured invalidates old tables
 BATCH_SIZES = (1, 2, 4, 8, 16)
 TIMED_ROUNDS = 2  # per (batch, shape), after one warm-up round; the fastest is kept (the least disturbed by
 # other processes); served rounds correct the table online (AdaptivePolicy.seconds)
@@ -138,21 +140,28 @@ def calibrate(
 
 
 def _measure_accept(worker: EagleWorker, shapes: list[TreeShape], prompts: list[list[int]]) -> dict[str, float]:
-    """Mean tokens per request-round of each shape: one row per prompt, ACCEPT_PASSES passes of one round of
-    every shape in turn. A greedy continuation is deterministic, so a few passes would measure every shape at
-    the same handful of positions (a chain of 3 once came out below a single draft that way); many passes
-    spread each shape over the first ~100 tokens of every answer."""
+    """Mean tokens per request-round of each shape, paired: only the shapes no other contains are served (one row
+    per prompt, in turn), and every shape they contain, ONE_DRAFT included, is read off the same greedy rounds
+    (StepOutput.subtree_accept, eagle_verify.subtree_accept_len), so all shapes are measured at the same
+    positions. Served one by one, each shape met its own positions (~32 samples each, a standard error ~0.15: two
+    shapes of different depth once tied). A greedy continuation is deterministic, so the rounds are many enough
+    to spread over the first ~100 tokens of every answer."""
     spec = [s for s in shapes if not s.is_off]
-    growth = ACCEPT_PASSES * sum(s.steps + 1 for s in spec)
-    accepts: dict[str, list[float]] = {s.label: [] for s in spec}
+    served = maximal_shapes(spec)
+    passes = ACCEPT_PASSES * len(spec) // len(served)  # as many rounds as serving every shape ACCEPT_PASSES times
+    growth = passes * sum(s.steps + 1 for s in served)
+    accepts: dict[str, list[float]] = {s.label: [] for s in [*spec, ONE_DRAFT]}
     with borrowed_batch(worker, prompts, len(prompts), growth) as reqs:
         if reqs is None:
             raise RuntimeError("adaptive speculation: the KV pool cannot hold the calibration prompts")
         need = [r.allocated_len for r in reqs]
-        for _ in range(ACCEPT_PASSES):
-            for shape in spec:
-                accepts[shape.label] += [float(len(o.tokens)) for o in worker.run_round(reqs, need, shape)]
-    prior = {label: statistics.fmean(a) for label, a in accepts.items()}
+        for _ in range(passes):
+            for shape in served:
+                for o in worker.run_round(reqs, need, shape):
+                    known = o.subtree_accept or {shape.label: len(o.tokens)}
+                    for label, a in known.items():
+                        accepts[label].append(float(a))
+    prior = {label: statistics.fmean(a) for label, a in accepts.items() if a}
     return prior | {s.label: 1.0 for s in shapes if s.is_off}
 
 

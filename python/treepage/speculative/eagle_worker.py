@@ -33,6 +33,7 @@ from treepage.speculative.adaptive import (
     CyclePolicy,
     ShapePolicy,
     TreeShape,
+    sub_shapes,
 )
 from treepage.speculative.eagle_tree import (
     EagleTree,
@@ -429,10 +430,11 @@ class EagleWorker(Worker):
         accept: list[int],
     ) -> list[dict[str, int] | None]:
         """Per greedy request, what this shape emitted and what ONE_DRAFT and each smaller candidate would have
-        (subtree_accept_len), when an adaptive policy learns from rounds it did not run."""
-        if not isinstance(self.policy, AdaptivePolicy):
+        (subtree_accept_len), whenever the worker has several shapes: the adaptive policy learns from rounds it did
+        not run, and the start-up calibration reads every contained shape's prior off the largest one's rounds."""
+        if len(self.shapes) < 2:
             return [None] * len(reqs)
-        smaller = list(dict.fromkeys(c for c in [ONE_DRAFT, *self.policy.sub_shapes(shape)] if c != shape))
+        smaller = list(dict.fromkeys(c for c in [ONE_DRAFT, *sub_shapes(self.shapes, shape)] if c != shape))
         cols = [subtree_accept_len(tree, accepted_nodes, c.steps, c.topk, c.draft_tokens) for c in smaller]
         table = torch.stack(cols, dim=1).tolist() if cols else [[] for _ in reqs]
         return [
