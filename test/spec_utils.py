@@ -105,3 +105,15 @@ def standalone_engine(target: str, draft: str, topk: int, page: int, version: in
             **kw,
         )
     )
+
+
+def assert_no_leak(eng: Engine) -> None:
+    """Idle engine, nothing held: no pages, rows or prefix-cache locks in use (no cached pages when the cache is
+    off), the scheduler's own accounting check passes, and the engine is still serving."""
+    eng.wait_idle()
+    mem = eng.memory_report()
+    assert mem["used_pages"] == 0 and mem["used_rows"] == 0 and mem["locked_pages"] == 0, mem
+    if not mem["radix_cache"]:
+        assert mem["cached_pages"] == 0, mem
+    eng.scheduler.check_memory()
+    assert eng.is_alive()

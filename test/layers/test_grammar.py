@@ -19,7 +19,13 @@ import pytest
 import torch
 
 from conftest import build_tiny_tokenizer
-from spec_utils import make_eagle_head, make_perturbed_copy, make_sharp_target, standalone_engine
+from spec_utils import (
+    assert_no_leak,
+    make_eagle_head,
+    make_perturbed_copy,
+    make_sharp_target,
+    standalone_engine,
+)
 from treepage.core import SamplingParamError, SamplingParams
 from treepage.entrypoints.engine import CumulativeOutput, Engine
 from treepage.layers.grammar import GrammarCompiler, GrammarProcessor
@@ -214,13 +220,6 @@ def _run(eng: Engine, params: list[dict], prompts: list[list[int]] | None = None
     return outs
 
 
-def _assert_no_leak(eng: Engine) -> None:
-    eng.wait_idle()
-    mem = eng.memory_report()
-    assert mem["used_pages"] == 0 and mem["used_rows"] == 0, mem
-    eng.scheduler.check_memory()
-
-
 def _check_schema(value: object, schema: dict) -> None:
     """The subset of JSON Schema the schemas above use."""
     if "const" in schema:
@@ -301,7 +300,7 @@ def _check_exact(eng: Engine, reference: list[list[int]]) -> None:
     assert got == reference
     dbg = eng.worker.debug.to_dict()
     assert any(a >= 3 for a in dbg["accept_len_hist"]), dbg  # paths of several drafted tokens were accepted
-    _assert_no_leak(eng)
+    assert_no_leak(eng)
 
 
 @pytest.mark.parametrize(
@@ -351,7 +350,7 @@ def test_eagle3_grammar_forcing_a_token_the_draft_never_proposes(ckpts, referenc
         drafted = eng.worker.draft.model.map_to_target_ids(torch.arange(64))
         assert tid(FORCED) not in drafted.tolist()
         assert [o.output_ids for o in _run(eng, [_params(f, v) for f, v in GRAMMARS])] == reference
-        _assert_no_leak(eng)
+        assert_no_leak(eng)
     finally:
         eng.shutdown()
 
@@ -387,7 +386,7 @@ def test_retracted_constrained_requests_equal_plain(ckpts, version, pool, monkey
     try:
         assert [o.output_ids for o in _run(eng, params, short)] == want
         assert eng.scheduler.stats.num_retracted > 0
-        _assert_no_leak(eng)
+        assert_no_leak(eng)
     finally:
         eng.shutdown()
 
@@ -402,7 +401,7 @@ def test_ignore_eos_and_max_new_tokens(ckpts):
         assert done["text"] == "yes" and len(ids) == MAX_NEW and set(ids[ids.index(EOS) :]) == {EOS}
         cut = eng.generate(input_ids=[5, 6, 7], sampling_params={**_params("regex", "[a-z]{20}"), "max_new_tokens": 5})
         assert cut["meta_info"]["finish_reason"]["type"] == "length" and re.fullmatch("[a-z]{5}", cut["text"])
-        _assert_no_leak(eng)
+        assert_no_leak(eng)
     finally:
         eng.shutdown()
 

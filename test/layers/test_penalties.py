@@ -15,7 +15,13 @@ import random
 import pytest
 import torch
 
-from spec_utils import make_eagle_head, make_perturbed_copy, make_sharp_target, standalone_engine
+from spec_utils import (
+    assert_no_leak,
+    make_eagle_head,
+    make_perturbed_copy,
+    make_sharp_target,
+    standalone_engine,
+)
 from treepage.core import Req, SamplingParamError, SamplingParams
 from treepage.entrypoints.engine import CumulativeOutput, Engine
 from treepage.layers.logits_processor import LogitsProcessorChain, commit, process_logits, sync
@@ -202,13 +208,6 @@ def _run(eng: Engine, params: list[dict], prompts: list[list[int]] | None = None
     return outs
 
 
-def _assert_no_leak(eng: Engine) -> None:
-    eng.wait_idle()
-    mem = eng.memory_report()
-    assert mem["used_pages"] == 0 and mem["used_rows"] == 0, mem
-    eng.scheduler.check_memory()
-
-
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("penalties")
@@ -245,7 +244,7 @@ def _check_exact(eng: Engine, reference: list[list[int]]) -> None:
     assert _run(eng, PARAMS) == reference
     dbg = eng.worker.debug.to_dict()
     assert any(a >= 3 for a in dbg["accept_len_hist"]), dbg  # paths of several drafted tokens were accepted
-    _assert_no_leak(eng)
+    assert_no_leak(eng)
 
 
 @pytest.mark.parametrize(
@@ -297,7 +296,7 @@ def test_a_biased_token_the_draft_cannot_propose(ckpts, reference, version, monk
         assert FORCED not in drafted.tolist()
         assert _run(eng, PARAMS) == reference
         assert reference[2].count(FORCED) >= 2
-        _assert_no_leak(eng)
+        assert_no_leak(eng)
     finally:
         eng.shutdown()
 
@@ -319,7 +318,7 @@ def test_retracted_penalised_requests_equal_plain(ckpts, version, pool, monkeypa
     try:
         assert _run(eng, PARAMS, short) == want
         assert eng.scheduler.stats.num_retracted > 0
-        _assert_no_leak(eng)
+        assert_no_leak(eng)
     finally:
         eng.shutdown()
 
@@ -334,6 +333,6 @@ def test_seeded_sampling_with_penalties_is_reproducible(ckpts):
         a, b, c = (eng.generate(input_ids=prompt, sampling_params={**sampled, "seed": s}) for s in (1, 1, 2))
         assert a["output_ids"] == b["output_ids"] and a["text"] == b["text"]
         assert a["output_ids"] != c["output_ids"]  # the seed matters
-        _assert_no_leak(eng)
+        assert_no_leak(eng)
     finally:
         eng.shutdown()

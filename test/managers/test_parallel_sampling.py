@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from spec_utils import make_eagle_head, make_sharp_target
+from spec_utils import assert_no_leak, make_eagle_head, make_sharp_target
 from treepage.core import SamplingParams
 from treepage.entrypoints.engine import CumulativeOutput, Engine
 from treepage.server_args import ServerArgs
@@ -124,15 +124,6 @@ def single(eng: Engine, ids: list[int], params: dict) -> list[int]:
     out = eng.generate(input_ids=ids, sampling_params=params)
     assert isinstance(out, dict)
     return out["output_ids"]
-
-
-def assert_no_leak(eng: Engine) -> None:
-    eng.wait_idle()
-    mem = eng.memory_report()
-    assert mem["used_pages"] == 0 and mem["used_rows"] == 0 and mem["locked_pages"] == 0, mem
-    if not mem["radix_cache"]:
-        assert mem["cached_pages"] == 0, mem
-    assert eng.is_alive()
 
 
 def check_group(eng: Engine, ids: list[int], params: dict, log: PrefillLog, spec: bool = False) -> list[list[int]]:

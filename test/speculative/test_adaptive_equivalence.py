@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from spec_utils import make_eagle_head, make_perturbed_copy, make_sharp_target
+from spec_utils import assert_no_leak, make_eagle_head, make_perturbed_copy, make_sharp_target
 from treepage.entrypoints.engine import CumulativeOutput, Engine
 from treepage.mem_cache.sizing import alloc_len_for_shape, get_row_width_extra
 from treepage.server_args import ServerArgs
@@ -76,13 +76,6 @@ def cycling_engine(ckpts, algo: str, page: int, version: int, **kw) -> Engine:
             **kw,
         )
     )
-
-
-def assert_no_leak(eng: Engine) -> None:
-    eng.wait_idle()
-    mem = eng.memory_report()
-    assert mem["used_pages"] == 0 and mem["used_rows"] == 0, mem
-    eng.scheduler.check_memory()
 
 
 @pytest.mark.parametrize("version", [1, 2])

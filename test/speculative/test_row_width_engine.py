@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from spec_utils import make_perturbed_copy, make_sharp_target
+from spec_utils import assert_no_leak, make_perturbed_copy, make_sharp_target
 from treepage.entrypoints.engine import Engine
 from treepage.mem_cache.sizing import NARROW_ROWS_ENV
 from treepage.server_args import ServerArgs
@@ -60,12 +60,6 @@ def conversation(eng: Engine) -> list[dict]:
             break
         history = history + out["output_ids"] + long_prompt(60)
     return outs
-
-
-def assert_no_leak(eng: Engine) -> None:
-    eng.wait_idle()
-    mem = eng.memory_report()
-    assert mem["used_pages"] == 0 and mem["used_rows"] == 0, mem
 
 
 @pytest.mark.parametrize("page,workload", [(256, "long_prompt"), (512, "multi_turn")])
