@@ -368,7 +368,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-chars", type=int, default=Filters.max_chars)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="as the server's --dtype (auto: bf16 only where native)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument(
@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "model_path": engine.args.model_path,
-        "dtype": args.dtype,
+        "dtype": str(engine.dtype).removeprefix("torch."),
         "decoding": "plain greedy (speculation off)",
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,

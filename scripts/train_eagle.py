@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from treepage.arg_groups import dtype_choice
 from treepage.layers.norm import RMSNorm
 from treepage.layers.rope import RotaryEmbedding
 from treepage.models.config import ModelConfig
@@ -44,6 +45,7 @@ from treepage.models.eagle_checkpoint import (
 )
 from treepage.models.llama import LlamaMLP, default_aux_layers
 from treepage.models.loader import default_model_path, load_config, load_state_dict
+from treepage.server_args import ServerArgs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = {
@@ -435,8 +437,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--init-layer", type=int, default=None, help="target layer copied at init (default last)")
     ap.add_argument("--branch-init-scale", type=float, default=0.0, help="EAGLE: scale of copied o/down_proj")
     ap.add_argument("--grad-clip", type=float, default=1.0)
-    ap.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True, help="bf16 matmuls")
-    ap.add_argument("--feature-dtype", default="bfloat16", help="dtype of the target pass")
+    ap.add_argument(
+        "--autocast",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 matmuls (default: where bf16 is native, as --dtype auto decides)",
+    )
+    ap.add_argument("--feature-dtype", default="auto", help="dtype of the target pass (auto: as --dtype auto)")
     ap.add_argument("--feature-batch-tokens", type=int, default=4096)
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=100)
@@ -454,7 +461,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.loss_png = args.loss_png or os.path.join(REPO, DEFAULT_PNG[args.algorithm])
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    # bf16 only where it is computed natively: emulated bf16 matmuls run several times slower than fp32.
+    native = auto_dtype(args.device) == torch.bfloat16
+    if args.feature_dtype == "auto":
+        args.feature_dtype = "bfloat16" if native else "float32"
+    if args.autocast is None:
+        args.autocast = native
     return args
+
+
+def auto_dtype(device: str) -> torch.dtype:
+    """What the engine's `--dtype auto` picks on this device (bf16 on CUDA, on CPUs only where native)."""
+    return dtype_choice(ServerArgs(dtype="auto"), device).dtype
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -61,6 +61,7 @@ def test_calibrates_caches_and_stays_exact(ckpts, tmp_path, monkeypatch, version
         assert info["candidates"] == labels
         table = info["calibration"]["round_seconds"]
         assert set(table) == set(labels) and all(len(table[s]) >= 2 for s in labels), table
+        assert all("1" in table[s] and max(map(int, table[s])) >= 4 for s in labels), table  # the range first
         assert all(t > 0 for s in labels for t in table[s].values())
         assert eng.memory_report()["used_pages"] == 0  # calibration returned every page and row
         cached = list((tmp_path / "cache" / "adaptive").glob("*.json"))
@@ -125,7 +126,7 @@ def test_accept_priors_are_paired_on_the_largest_shapes_rounds(ckpts, tmp_path, 
     measured: dict[str, float] = {}
     real = calibrate._measure_accept
 
-    def spy(worker, shapes, prompts):
+    def spy(worker, shapes, prompts, deadline=None):
         run_round = worker.run_round
 
         def recording(reqs, allocated, shape):
@@ -134,7 +135,7 @@ def test_accept_priors_are_paired_on_the_largest_shapes_rounds(ckpts, tmp_path, 
 
         worker.run_round = recording
         try:
-            measured.update(real(worker, shapes, prompts))
+            measured.update(real(worker, shapes, prompts, deadline))
         finally:
             del worker.run_round
         return dict(measured)
@@ -142,10 +143,50 @@ def test_accept_priors_are_paired_on_the_largest_shapes_rounds(ckpts, tmp_path, 
     monkeypatch.setattr(calibrate, "_measure_accept", spy)
     eng = adaptive_engine(ckpts, 1)
     try:
-        assert set(served) == {"4x4x16"} and len(served) == calibrate.ACCEPT_PASSES * 4
+        # every pass serves 4x4x16 once; the passes stop at the accept share of the budget, never before the minimum
+        assert set(served) == {"4x4x16"}
+        assert calibrate.MIN_ACCEPT_PASSES <= len(served) <= calibrate.ACCEPT_PASSES * 4
         prior = eng.get_server_info()["speculative_adaptive"]["calibration"]["prior_accept"]
         assert prior == pytest.approx(measured)
         assert prior["4x4x16"] >= prior["3x2x6"] >= prior["3x1x4"] >= prior["1x1x2"] >= 1.0 == prior["off"]
         assert prior["4x4x16"] > 1.0  # the sharp target accepts drafts: the test measures something
     finally:
         eng.shutdown()
+
+
+def test_a_spent_budget_still_measures_batch_one_and_the_minimum_accept(ckpts, tmp_path, monkeypatch):
+    """On a machine too slow for the budget the accept measurement stops at its share (after the minimum passes)
+    and batch 1 is still timed, every larger batch skipped as predicted to overrun; the table stays monotone."""
+    import treepage.speculative.calibrate as calibrate
+
+    monkeypatch.setenv("TREEPAGE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibrate, "CPU_BUDGET_S", 0.0)
+    served: list[str] = []
+    real = calibrate._measure_accept
+
+    def spy(worker, shapes, prompts, deadline=None):
+        run_round = worker.run_round
+        worker.run_round = lambda reqs, allocated, shape: served.append(shape.label) or run_round(reqs, allocated, shape)
+        try:
+            return real(worker, shapes, prompts, deadline)
+        finally:
+            del worker.run_round
+
+    monkeypatch.setattr(calibrate, "_measure_accept", spy)
+    eng = adaptive_engine(ckpts, 1)
+    try:
+        assert len(served) == calibrate.MIN_ACCEPT_PASSES
+        table = eng.get_server_info()["speculative_adaptive"]["calibration"]["round_seconds"]
+        assert all(list(v) == ["1"] for v in table.values()), table
+        assert eng.generate(input_ids=PROMPTS[0], sampling_params=SP)["output_ids"]
+    finally:
+        eng.shutdown()
+
+
+def test_budget_prediction_is_pessimistic_beyond_the_measured_range():
+    from treepage.speculative.calibrate import _predicted_seconds
+
+    assert _predicted_seconds({1: 0.1}, 16) == pytest.approx(1.6)  # one point: in proportion
+    assert _predicted_seconds({1: 0.1, 4: 0.2}, 2) == pytest.approx(0.1 + 0.1 / 3)  # between: linear
+    assert _predicted_seconds({1: 0.1, 4: 0.2}, 16) == pytest.approx(0.8)  # beyond: from the largest
+    assert _predicted_seconds({4: 0.2}, 2) == pytest.approx(0.2)  # below the smallest: no cheaper than it

@@ -37,11 +37,16 @@ from treepage.speculative.eagle_worker import EagleWorker, SpecDebugCounters
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 6  # part of the cache key: a change to what is measured invalidates old tables
-BATCH_SIZES = (1, 2, 4, 8, 16)
-TIMED_ROUNDS = 2  # per (batch, shape), after one warm-up round; the fastest is kept (the least disturbed by
-# other processes); served rounds correct the table online (AdaptivePolicy.seconds)
+CALIBRATION_VERSION = 7  # part of the cache key: a change to what is measured invalidates old tables
+# Timed in this order while the budget lasts: the ends of the range first, then the points between. With batch 1
+# alone the table could only scale it linearly, and a batch-16 round costs far less than 16 batch-1 rounds.
+BATCH_SIZES = (1, 4, 16, 2, 8)
+TIMED_ROUNDS = 2  # per (batch, shape); the fastest is kept (the least disturbed by other processes); served
+# rounds correct the table online (AdaptivePolicy.seconds). One warm-up round before them at the first batch size
+# only: later sizes run warm code, and a first round slowed by a new tensor shape is one of two, not the minimum.
 ACCEPT_PASSES = 8  # rounds of every shape in the accept measurement (one row per calibration prompt)
+MIN_ACCEPT_PASSES = 2  # the accept measurement stops at its share of the budget, but not before this many
+ACCEPT_BUDGET_SHARE = 0.25  # of the budget; the rest times rounds (priors are corrected online, times less so)
 CPU_BUDGET_S = 20.0
 CUDA_BUDGET_S = 10.0
 
@@ -105,28 +110,32 @@ def load_or_calibrate(
 def calibrate(
     worker: EagleWorker, shapes: list[TreeShape], prompts: list[list[int]], budget_s: float
 ) -> CostTable:
-    """Each shape's mean accept length (`_measure_accept`), then seconds per round for each shape at batch sizes
-    1, 2, 4, ... while the budget lasts (a batch size is skipped when it is predicted to overrun it)."""
+    """Each shape's mean accept length (`_measure_accept`, within its share of the budget), then seconds per round
+    for each shape at the batch sizes of BATCH_SIZES, in that order, while the budget lasts: a batch size is
+    skipped when the rounds measured so far predict that it would overrun the budget."""
     t_start = time.perf_counter()
-    prior = _measure_accept(worker, shapes, prompts)
+    prior = _measure_accept(worker, shapes, prompts, deadline=t_start + ACCEPT_BUDGET_SHARE * budget_s)
     seconds: dict[str, dict[int, float]] = {s.label: {} for s in shapes}
-    cap = min(worker.pools.req_to_token_pool.num_free(), max(BATCH_SIZES))
-    last = 0.0  # seconds the previous batch size took; the next (twice as large) is predicted at twice that
+    cap = worker.pools.req_to_token_pool.num_free()
     for B in [b for b in BATCH_SIZES if b <= cap]:
-        if B > 1 and time.perf_counter() - t_start + 2 * last > budget_s:
-            break
-        t_b = time.perf_counter()
-        measured = _measure_batch(worker, shapes, prompts, B)
-        last = time.perf_counter() - t_b
+        if seconds[shapes[0].label]:
+            predicted = TIMED_ROUNDS * sum(_predicted_seconds(seconds[s.label], B) for s in shapes)
+            if time.perf_counter() - t_start + predicted > budget_s:
+                continue
+        measured = _measure_batch(worker, shapes, prompts, B, warm_up=not seconds[shapes[0].label])
         if measured is None:
-            break
+            continue  # the pools cannot hold this many rows (a smaller batch later may fit)
         for label, t in measured.items():
-            # Monotone in the batch size: on a shared CPU a slow outlier at a small batch must not make a
-            # larger batch look cheaper.
-            seconds[label][B] = max([t, *seconds[label].values()])
+            seconds[label][B] = t
     worker.debug = SpecDebugCounters()  # server statistics start after calibration
     if not seconds[shapes[0].label]:
         raise RuntimeError("adaptive speculation: the KV pool cannot hold one calibration request")
+    for v in seconds.values():
+        # Monotone in the batch size: on a shared CPU a slow outlier at a small batch must not make a larger
+        # batch look cheaper.
+        running = 0.0
+        for b in sorted(v):
+            running = v[b] = max(v[b], running)
     logger.info(
         "adaptive speculation calibrated in %.1fs: %s",
         time.perf_counter() - t_start,
@@ -136,16 +145,32 @@ def calibrate(
             for label, v in seconds.items()
         ),
     )
-    return CostTable(seconds, prior)
+    return CostTable({label: dict(sorted(v.items())) for label, v in seconds.items()}, prior)
 
 
-def _measure_accept(worker: EagleWorker, shapes: list[TreeShape], prompts: list[list[int]]) -> dict[str, float]:
+def _predicted_seconds(measured: dict[int, float], batch: int) -> float:
+    """A round's seconds at `batch` for the budget check: linear between the nearest measured batch sizes, and
+    beyond the largest scaled in proportion to it (pessimistic: a row costs less, not more, in a larger batch)."""
+    below = max((b for b in measured if b <= batch), default=None)
+    above = min((b for b in measured if b >= batch), default=None)
+    if above is None:
+        assert below is not None
+        return measured[below] * batch / below
+    if below is None or below == above:
+        return measured[above]
+    return measured[below] + (measured[above] - measured[below]) * (batch - below) / (above - below)
+
+
+def _measure_accept(
+    worker: EagleWorker, shapes: list[TreeShape], prompts: list[list[int]], deadline: float | None = None
+) -> dict[str, float]:
     """Mean tokens per request-round of each shape, paired: only the shapes no other contains are served (one row
     per prompt, in turn), and every shape they contain, ONE_DRAFT included, is read off the same greedy rounds
     (StepOutput.subtree_accept, eagle_verify.subtree_accept_len), so all shapes are measured at the same
     positions. Served one by one, each shape met its own positions (~32 samples each, a standard error ~0.15: two
     shapes of different depth once tied). A greedy continuation is deterministic, so the rounds are many enough
-    to spread over the first ~100 tokens of every answer."""
+    to spread over the first ~100 tokens of every answer. Passes stop at `deadline` (perf_counter seconds) once
+    MIN_ACCEPT_PASSES have run: on a slow machine the timings matter more than a precise prior."""
     spec = [s for s in shapes if not s.is_off]
     served = maximal_shapes(spec)
     passes = ACCEPT_PASSES * len(spec) // len(served)  # as many rounds as serving every shape ACCEPT_PASSES times
@@ -155,7 +180,9 @@ def _measure_accept(worker: EagleWorker, shapes: list[TreeShape], prompts: list[
         if reqs is None:
             raise RuntimeError("adaptive speculation: the KV pool cannot hold the calibration prompts")
         need = [r.allocated_len for r in reqs]
-        for _ in range(passes):
+        for i in range(passes):
+            if deadline is not None and i >= MIN_ACCEPT_PASSES and time.perf_counter() > deadline:
+                break
             for shape in served:
                 for o in worker.run_round(reqs, need, shape):
                     known = o.subtree_accept or {shape.label: len(o.tokens)}
@@ -166,27 +193,30 @@ def _measure_accept(worker: EagleWorker, shapes: list[TreeShape], prompts: list[
 
 
 def _measure_batch(
-    worker: EagleWorker, shapes: list[TreeShape], prompts: list[list[int]], B: int
+    worker: EagleWorker, shapes: list[TreeShape], prompts: list[list[int]], B: int, warm_up: bool = True
 ) -> dict[str, float] | None:
-    """Prefill B rows of the prompts, run 1 + TIMED_ROUNDS passes over the shapes (OFF last in each pass: its
-    one-token draft catch-up lands in the next pass's first round, as it would when serving), free everything.
-    The fastest timed round of each shape; None when the pools cannot hold the batch."""
-    rounds = len(shapes) * (1 + TIMED_ROUNDS)
+    """Prefill B rows of the prompts, run TIMED_ROUNDS passes over the shapes (after one untimed warm-up pass when
+    `warm_up`), OFF last in each pass, and free everything. OFF's one-token draft catch-up lands in the next pass's
+    first round, as it would when serving; without the warm-up pass one untimed OFF round comes first, so the
+    first timed round pays it too. The fastest timed round of each shape; None when the pools cannot hold the
+    batch."""
+    order = [s for s in shapes if not s.is_off] + [s for s in shapes if s.is_off]
+    lead = order if warm_up else [s for s in order if s.is_off]
     grow = max(s.steps + 1 for s in shapes)
-    with borrowed_batch(worker, prompts, B, rounds * grow) as reqs:
+    with borrowed_batch(worker, prompts, B, (len(lead) + len(order) * TIMED_ROUNDS) * grow) as reqs:
         if reqs is None:
             return None
         need = [r.allocated_len for r in reqs]
-        order = [s for s in shapes if not s.is_off] + [s for s in shapes if s.is_off]
+        for shape in lead:
+            worker.run_round(reqs, need, shape)
         times: dict[str, list[float]] = {s.label: [] for s in order}
-        for k in range(1 + TIMED_ROUNDS):  # shapes interleaved: a burst of contention hits all of them
+        for _ in range(TIMED_ROUNDS):  # shapes interleaved: a burst of contention hits all of them
             for shape in order:
                 t0 = time.perf_counter()
                 worker.run_round(reqs, need, shape)
                 if worker.device.type == "cuda":
                     torch.cuda.synchronize(worker.device)
-                if k:
-                    times[shape.label].append(time.perf_counter() - t0)
+                times[shape.label].append(time.perf_counter() - t0)
         return {label: min(t) for label, t in times.items()}
 
 
