@@ -461,18 +461,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.loss_png = args.loss_png or os.path.join(REPO, DEFAULT_PNG[args.algorithm])
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    # bf16 only where it is computed natively: emulated bf16 matmuls run several times slower than fp32.
-    native = auto_dtype(args.device) == torch.bfloat16
+    # What the engine's `--dtype auto` picks: bf16 on CUDA and on CPUs that compute it natively, else fp32
+    # (emulated bf16 matmuls run several times slower than fp32).
+    auto = dtype_choice(ServerArgs(dtype="auto"), args.device).dtype
     if args.feature_dtype == "auto":
-        args.feature_dtype = "bfloat16" if native else "float32"
+        args.feature_dtype = str(auto).removeprefix("torch.")
     if args.autocast is None:
-        args.autocast = native
+        args.autocast = auto == torch.bfloat16
     return args
-
-
-def auto_dtype(device: str) -> torch.dtype:
-    """What the engine's `--dtype auto` picks on this device (bf16 on CUDA, on CPUs only where native)."""
-    return dtype_choice(ServerArgs(dtype="auto"), device).dtype
 
 
 def main(argv: list[str] | None = None) -> dict:

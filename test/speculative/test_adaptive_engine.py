@@ -116,12 +116,10 @@ def test_missing_pinned_table_is_measured_and_written(ckpts, tmp_path):
         eng.shutdown()
 
 
-def test_accept_priors_are_paired_on_the_largest_shapes_rounds(ckpts, tmp_path, monkeypatch):
-    """Calibration serves only the shapes no other contains and reads every contained shape (and the one-draft
-    chain) off the same rounds, so a contained shape's prior never exceeds its container's."""
+def record_accept_rounds(monkeypatch) -> tuple[list[str], dict[str, float]]:
+    """Spies on calibrate._measure_accept: the label of every round it serves, and the priors it returns."""
     import treepage.speculative.calibrate as calibrate
 
-    monkeypatch.setenv("TREEPAGE_CACHE_DIR", str(tmp_path / "cache"))
     served: list[str] = []
     measured: dict[str, float] = {}
     real = calibrate._measure_accept
@@ -141,6 +139,16 @@ def test_accept_priors_are_paired_on_the_largest_shapes_rounds(ckpts, tmp_path, 
         return dict(measured)
 
     monkeypatch.setattr(calibrate, "_measure_accept", spy)
+    return served, measured
+
+
+def test_accept_priors_are_paired_on_the_largest_shapes_rounds(ckpts, tmp_path, monkeypatch):
+    """Calibration serves only the shapes no other contains and reads every contained shape (and the one-draft
+    chain) off the same rounds, so a contained shape's prior never exceeds its container's."""
+    import treepage.speculative.calibrate as calibrate
+
+    monkeypatch.setenv("TREEPAGE_CACHE_DIR", str(tmp_path / "cache"))
+    served, measured = record_accept_rounds(monkeypatch)
     eng = adaptive_engine(ckpts, 1)
     try:
         # every pass serves 4x4x16 once; the passes stop at the accept share of the budget, never before the minimum
@@ -156,23 +164,12 @@ def test_accept_priors_are_paired_on_the_largest_shapes_rounds(ckpts, tmp_path, 
 
 def test_a_spent_budget_still_measures_batch_one_and_the_minimum_accept(ckpts, tmp_path, monkeypatch):
     """On a machine too slow for the budget the accept measurement stops at its share (after the minimum passes)
-    and batch 1 is still timed, every larger batch skipped as predicted to overrun; the table stays monotone."""
+    and batch 1 is still timed, every larger batch skipped as predicted to overrun."""
     import treepage.speculative.calibrate as calibrate
 
     monkeypatch.setenv("TREEPAGE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(calibrate, "CPU_BUDGET_S", 0.0)
-    served: list[str] = []
-    real = calibrate._measure_accept
-
-    def spy(worker, shapes, prompts, deadline=None):
-        run_round = worker.run_round
-        worker.run_round = lambda reqs, allocated, shape: served.append(shape.label) or run_round(reqs, allocated, shape)
-        try:
-            return real(worker, shapes, prompts, deadline)
-        finally:
-            del worker.run_round
-
-    monkeypatch.setattr(calibrate, "_measure_accept", spy)
+    served, _ = record_accept_rounds(monkeypatch)
     eng = adaptive_engine(ckpts, 1)
     try:
         assert len(served) == calibrate.MIN_ACCEPT_PASSES

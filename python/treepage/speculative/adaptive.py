@@ -163,6 +163,14 @@ class AdaptiveConfig:
         return cfg
 
 
+def on_segment(pts: list[tuple[int, float]], batch: int) -> float:
+    """The line through the two measured (batch size, seconds) points around `batch` (sorted, at least two; below
+    the first point, the first segment's line)."""
+    i = max(bisect.bisect_left([b for b, _ in pts], batch), 1)
+    (b0, t0), (b1, t1) = pts[i - 1], pts[i]
+    return t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
+
+
 # ---- the cost table ---------------------------------------------------------------------------------------------
 @dataclass
 class CostTable:
@@ -184,9 +192,7 @@ class CostTable:
             mx, my = statistics.fmean(xs), statistics.fmean(t for _, t in pts)
             slope = sum((x - mx) * (t - my) for x, t in pts) / sum((x - mx) ** 2 for x in xs)
             return pts[-1][1] + max(slope, 0.0) * (batch - xs[-1])
-        i = max(bisect.bisect_left(xs, batch), 1)
-        (b0, t0), (b1, t1) = pts[i - 1], pts[i]
-        return max(t0 + (t1 - t0) * (batch - b0) / (b1 - b0), 1e-9)
+        return max(on_segment(pts, batch), 1e-9)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -31,6 +31,7 @@ from treepage.speculative.adaptive import (
     default_cache_path,
     load_table,
     maximal_shapes,
+    on_segment,
     save_table,
 )
 from treepage.speculative.eagle_worker import EagleWorker, SpecDebugCounters
@@ -118,11 +119,12 @@ def calibrate(
     seconds: dict[str, dict[int, float]] = {s.label: {} for s in shapes}
     cap = worker.pools.req_to_token_pool.num_free()
     for B in [b for b in BATCH_SIZES if b <= cap]:
-        if seconds[shapes[0].label]:
+        first = not seconds[shapes[0].label]
+        if not first:
             predicted = TIMED_ROUNDS * sum(_predicted_seconds(seconds[s.label], B) for s in shapes)
             if time.perf_counter() - t_start + predicted > budget_s:
                 continue
-        measured = _measure_batch(worker, shapes, prompts, B, warm_up=not seconds[shapes[0].label])
+        measured = _measure_batch(worker, shapes, prompts, B, warm_up=first)
         if measured is None:
             continue  # the pools cannot hold this many rows (a smaller batch later may fit)
         for label, t in measured.items():
@@ -130,12 +132,11 @@ def calibrate(
     worker.debug = SpecDebugCounters()  # server statistics start after calibration
     if not seconds[shapes[0].label]:
         raise RuntimeError("adaptive speculation: the KV pool cannot hold one calibration request")
-    for v in seconds.values():
-        # Monotone in the batch size: on a shared CPU a slow outlier at a small batch must not make a larger
-        # batch look cheaper.
+    # Sorted and monotone in the batch size: on a shared CPU a slow outlier at a small batch must not make a larger
+    # batch look cheaper.
+    for label, v in seconds.items():
         running = 0.0
-        for b in sorted(v):
-            running = v[b] = max(v[b], running)
+        seconds[label] = {b: (running := max(v[b], running)) for b in sorted(v)}
     logger.info(
         "adaptive speculation calibrated in %.1fs: %s",
         time.perf_counter() - t_start,
@@ -145,20 +146,18 @@ def calibrate(
             for label, v in seconds.items()
         ),
     )
-    return CostTable({label: dict(sorted(v.items())) for label, v in seconds.items()}, prior)
+    return CostTable(seconds, prior)
 
 
 def _predicted_seconds(measured: dict[int, float], batch: int) -> float:
-    """A round's seconds at `batch` for the budget check: linear between the nearest measured batch sizes, and
-    beyond the largest scaled in proportion to it (pessimistic: a row costs less, not more, in a larger batch)."""
-    below = max((b for b in measured if b <= batch), default=None)
-    above = min((b for b in measured if b >= batch), default=None)
-    if above is None:
-        assert below is not None
-        return measured[below] * batch / below
-    if below is None or below == above:
-        return measured[above]
-    return measured[below] + (measured[above] - measured[below]) * (batch - below) / (above - below)
+    """A round's seconds at `batch` for the budget check: on the line between the measured batch sizes around it,
+    no cheaper than the smallest, and beyond the largest in proportion to it (pessimistic: a row costs less, not
+    more, in a larger batch)."""
+    pts = sorted(measured.items())
+    (low, t_low), (top, t_top) = pts[0], pts[-1]
+    if batch >= top:
+        return t_top * batch / top
+    return t_low if batch <= low else on_segment(pts, batch)
 
 
 def _measure_accept(
