@@ -48,6 +48,7 @@ from treepage.layers.attention import torch_native_backend  # noqa: E402
 from treepage.server_args import ServerArgs  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 def cpuinfo_flags() -> set[str]:
@@ -285,27 +286,27 @@ def decode_tables(results: dict, args, clock: str) -> None:
         rows = []
         for length in args.lengths:
             row = [length]
-            for dt in DTYPES:
+            for dt in runs:
                 d = runs[dt]["decode"][f"{length}x{batch}"]
                 t, h = d["treepage"][f"tok_s_{clock}"], d["hf"][f"tok_s_{clock}"]
                 row += [t, h, t / h]
             rows.append(row)
         print_table(
             f"Decode, batch {batch}: tok/s from the median step's {clock} time; auto dtype here = {auto}",
-            ["context", "fp32 treepage", "fp32 HF", "ratio", "bf16 treepage", "bf16 HF", "ratio"],
+            ["context"] + [c for dt in runs for c in (f"{SHORT[dt]} treepage", f"{SHORT[dt]} HF", "ratio")],
             rows,
         )
     rows = []
     for length in args.lengths:
         row = [length]
-        for dt in DTYPES:
+        for dt in runs:
             p = runs[dt]["prefill"][length]
             t, h = p["treepage"][f"{clock}_s"], p["hf"][f"{clock}_s"]
             row += [t, h, t / h]
         rows.append(row)
     print_table(
         f"Prefill, batch 1: seconds ({clock}, best of {args.repeats})",
-        ["context", "fp32 treepage", "fp32 HF", "treepage / HF", "bf16 treepage", "bf16 HF", "treepage / HF"],
+        ["context"] + [c for dt in runs for c in (f"{SHORT[dt]} treepage", f"{SHORT[dt]} HF", "treepage / HF")],
         rows,
     )
 
@@ -349,7 +350,7 @@ def plot(results: dict, args, path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(args.batches), figsize=(5.5 * len(args.batches), 4), squeeze=False)
     for ax, batch in zip(axes[0], args.batches):
-        for dt, style in zip(DTYPES, ("-", "--")):
+        for dt, style in zip(results["runs"], ("-", "--")):
             d = results["runs"][dt]["decode"]
             ys = [d[f"{n}x{batch}"] for n in args.lengths]
             ax.plot(

@@ -89,11 +89,19 @@ static inline void scores_tile(float *restrict s, const float *restrict q, const
     memcpy(s, acc, sizeof(acc));
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #define DOT_PATH 1
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vec;
+#define vzero _mm512_setzero_ps
+#define vload _mm512_loadu_ps
+#define vmul _mm512_mul_ps
+#define vfma _mm512_fmadd_ps
+#define vstore _mm512_storeu_ps
 /* Lane i of the result = the sum of the 16 lanes of v[i]: pairwise transposing adds, 45 operations in all. */
-static inline __m512 hsum16(const __m512 *v) {
+static inline __m512 hsum(const __m512 *v) {
     __m512 x[8], z[4], u[2];
     for (int k = 0; k < 8; k++) /* 128-bit lane j: [a_j0+a_j2, b_j0+b_j2, a_j1+a_j3, b_j1+b_j3] */
         x[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
@@ -106,30 +114,47 @@ static inline __m512 hsum16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
+#else /* AVX2 + FMA: 8 lanes */
+#define LANES 8
+typedef __m256 vec;
+#define vzero _mm256_setzero_ps
+#define vload _mm256_loadu_ps
+#define vmul _mm256_mul_ps
+#define vfma _mm256_fmadd_ps
+#define vstore _mm256_storeu_ps
+/* Lane i of the result = the sum of the 8 lanes of v[i]: two rounds of horizontal adds give each vector's sums
+ * of its two 128-bit halves, then the halves are added across. */
+static inline __m256 hsum(const __m256 *v) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+#endif
 
-/* s[u][0:BLK] = q[u] . k_i for nr rows against K rows in their natural layout (D a multiple of 16): for few rows
- * (decode, cascade) this beats transposing the block first. Positions i >= nt get 0. */
+/* s[u][0:BLK] = q[u] . k_i for nr rows against K rows in their natural layout (D a multiple of LANES): for few
+ * rows (decode, cascade) this beats transposing the block first. Positions i >= nt get 0. */
 static void scores_dot(float *s, const float *q, int nr, const float *const *krow, int nt, int D) {
     for (int u = 0; u < nr; u++) {
         const float *qu = q + (size_t)u * D;
-        for (int i0 = 0; i0 < BLK; i0 += 16) {
-            __m512 acc[16];
-            for (int i = 0; i < 16; i++) {
+        for (int i0 = 0; i0 < BLK; i0 += LANES) {
+            vec acc[LANES];
+            for (int i = 0; i < LANES; i++) {
                 if (i0 + i >= nt) {
-                    acc[i] = _mm512_setzero_ps();
+                    acc[i] = vzero();
                     continue;
                 }
                 const float *k = krow[i0 + i];
-                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qu), _mm512_loadu_ps(k));
-                for (int d = 16; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qu + d), _mm512_loadu_ps(k + d), a);
+                vec a = vmul(vload(qu), vload(k));
+                for (int d = LANES; d < D; d += LANES) a = vfma(vload(qu + d), vload(k + d), a);
                 acc[i] = a;
             }
-            _mm512_storeu_ps(s + (size_t)u * BLK + i0, hsum16(acc));
+            vstore(s + (size_t)u * BLK + i0, hsum(acc));
         }
     }
 }
 #else
 #define DOT_PATH 0
+#define LANES 16
 #endif
 
 /* acc[u][0:D] += sum_i p[u][i] * v_i[0:D] for RT rows. With D a multiple of 16, 16 columns at a time whose RT
@@ -180,7 +205,7 @@ static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, fl
     if (!qf) return 1;
     float *kt = qf + qn, *vbuf = kt + bn, *s = vbuf + bn, *vis = s + (size_t)nrp * BLK;
     float *kbuf = kt; /* the dot path widens bf16 K rows here instead */
-    const int dot = DOT_PATH && D % 16 == 0 && nrh < 16;
+    const int dot = DOT_PATH && D % LANES == 0 && nrh < 16;
     const int esz = a->kv_bf16 ? 2 : 4;
     for (int j = t->j0; j < t->j1; j++)
         for (int hq = 0; hq < Hq; hq++) {
