@@ -154,7 +154,7 @@ static void scores_dot(float *s, const float *q, int nr, const float *const *kro
 }
 #else
 #define DOT_PATH 0
-#define LANES 16
+#define LANES 1 /* only named by the (always false) dot-path condition */
 #endif
 
 /* acc[u][0:D] += sum_i p[u][i] * v_i[0:D] for RT rows. With D a multiple of 16, 16 columns at a time whose RT
