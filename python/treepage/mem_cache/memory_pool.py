@@ -78,8 +78,8 @@ class KVPool:
         return self.kv_data.numel() * self.kv_data.element_size()
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv_data[0, layer_id][slots] = k.to(self.dtype)
-        self.kv_data[1, layer_id][slots] = v.to(self.dtype)
+        self.kv_data[0, layer_id].index_copy_(0, slots, k.to(self.dtype))
+        self.kv_data[1, layer_id].index_copy_(0, slots, v.to(self.dtype))
 
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv_data[0, layer_id], self.kv_data[1, layer_id]

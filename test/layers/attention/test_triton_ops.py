@@ -550,6 +550,35 @@ def test_cpu_kernel_model_shapes(P, dtype, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("d", [16, 32, 96, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_decode_head_dims(d, dtype, monkeypatch):
+    """The dot-product decode path blocks a row's columns by 8, 4 and 1 vectors and a block's positions by the
+    vector width: head dims that use each column block, and lengths that end mid-group, against the dense
+    reference."""
+    hkv, hq, P = 2, 6, 4
+    lens = [1, 5, 37, 70]
+    cache = PagedCache(sum(-(-n // P) for n in lens) + 2, P, hkv, d, dtype, seed=d)
+    table = cache.table(lens)
+    q = torch.randn(len(lens), hq, d, generator=cache.gen).to(dtype)
+    meta = AttentionMetadata(
+        mode=ForwardMode.DECODE,
+        page_size=P,
+        page_table=table,
+        qo_indptr=torch.arange(len(lens) + 1, dtype=torch.int32),
+        prefix_lens=torch.tensor([n - 1 for n in lens], dtype=torch.int32),
+        kv_lens=torch.tensor(lens, dtype=torch.int32),
+        max_q_len=1,
+        max_kv_len=max(lens),
+    )
+    ref = []
+    for b, n in enumerate(lens):
+        k, v = cache.gather(table[b], n)
+        ref.append(dense_ref(q[b : b + 1], k, v, torch.ones(1, n, dtype=torch.bool), 0.2))
+    assert_close(kernel_backend(monkeypatch).decode(q, cache.k, cache.v, meta, 0.2), torch.cat(ref), dtype)
+
+
+@needs_kernel
 def test_cpu_kernel_not_used_for_fp16_or_long_prefill(monkeypatch):
     """fp16 has no kernel variant and long prefills are SDPA's: both take the torch path."""
     native = TorchNativeAttnBackend()

@@ -132,6 +132,18 @@ class KernelPlan:
     mask_kind: int = MASK_ALL
     mask: torch.Tensor | None = None  # flat bool, request b's [n, n] tree at mask_start[b] (MASK_TREE)
     mask_start: torch.Tensor | None = None  # [B] int64
+    # The kernel's plan arguments and query row count, computed once: every layer's call reuses them (per-call
+    # Python work is a visible share of a short-context decode step).
+    c_args: tuple = ()
+    rows: int = 0
+
+    def __post_init__(self) -> None:
+        self.rows = int(self.q_start[-1])
+        self.c_args = (
+            _ptr(self.table), self.table.stride(0), self.page_size,
+            _ptr(self.q_start), _ptr(self.kv_len), _ptr(self.full_len),
+            self.mask_kind, _ptr(self.mask), _ptr(self.mask_start), self.kv_len.numel(),
+        )  # fmt: skip
 
     @classmethod
     def build(
@@ -173,18 +185,14 @@ def paged_attention(
     assert k_cache.dtype == v_cache.dtype and k_cache.dtype in KERNEL_DTYPES and q.dtype in KERNEL_DTYPES
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2] == D and Hq % Hkv == 0
     # The kernel trusts its indices: a plan for other rows would read out of bounds.
-    assert plan.q_start.numel() == plan.kv_len.numel() + 1 and int(plan.q_start[-1]) == rows
+    assert plan.q_start.numel() == plan.kv_len.numel() + 1 and plan.rows == rows
     q = q.contiguous()
     out = torch.empty(rows, Hq, D, dtype=torch.float32)
     lse = torch.empty(rows, Hq, dtype=torch.float32) if with_lse else None
     rc = lib.paged_attention(
-        _ptr(q), int(q.dtype == torch.bfloat16), _ptr(k_cache), _ptr(v_cache),
-        int(k_cache.dtype == torch.bfloat16),
-        _ptr(plan.table), plan.table.stride(0), plan.page_size,
-        _ptr(plan.q_start), _ptr(plan.kv_len), _ptr(plan.full_len),
-        plan.mask_kind, _ptr(plan.mask), _ptr(plan.mask_start),
-        plan.kv_len.numel(), Hq, Hkv, D, scale,
-        _ptr(out), _ptr(lse), torch.get_num_threads(),
+        q.data_ptr(), q.dtype == torch.bfloat16, k_cache.data_ptr(), v_cache.data_ptr(),
+        k_cache.dtype == torch.bfloat16, *plan.c_args, Hq, Hkv, D, scale,
+        out.data_ptr(), _ptr(lse), torch.get_num_threads(),
     )  # fmt: skip
     if rc:
         raise MemoryError("the CPU attention kernel could not allocate its scratch")

@@ -97,8 +97,8 @@ static inline void scores_tile(float *restrict s, const float *restrict q, const
 typedef __m512 vec;
 #define vzero _mm512_setzero_ps
 #define vload _mm512_loadu_ps
-#define vmul _mm512_mul_ps
 #define vfma _mm512_fmadd_ps
+#define vset1 _mm512_set1_ps
 #define vstore _mm512_storeu_ps
 /* Lane i of the result = the sum of the 16 lanes of v[i]: pairwise transposing adds, 45 operations in all. */
 static inline __m512 hsum(const __m512 *v) {
@@ -119,8 +119,8 @@ static inline __m512 hsum(const __m512 *v) {
 typedef __m256 vec;
 #define vzero _mm256_setzero_ps
 #define vload _mm256_loadu_ps
-#define vmul _mm256_mul_ps
 #define vfma _mm256_fmadd_ps
+#define vset1 _mm256_set1_ps
 #define vstore _mm256_storeu_ps
 /* Lane i of the result = the sum of the 8 lanes of v[i]: two rounds of horizontal adds give each vector's sums
  * of its two 128-bit halves, then the halves are added across. */
@@ -132,24 +132,54 @@ static inline __m256 hsum(const __m256 *v) {
 #endif
 
 /* s[u][0:BLK] = q[u] . k_i for nr rows against K rows in their natural layout (D a multiple of LANES): for few
- * rows (decode, cascade) this beats transposing the block first. Positions i >= nt get 0. */
+ * rows (decode, cascade) this beats transposing the block first. The LANES positions of a group accumulate in
+ * independent registers over d (one chain over d would wait on the FMA latency at every step); a group past nt
+ * repeats the last row and its scores are overwritten. Positions i >= nt get 0. */
 static void scores_dot(float *s, const float *q, int nr, const float *const *krow, int nt, int D) {
     for (int u = 0; u < nr; u++) {
         const float *qu = q + (size_t)u * D;
-        for (int i0 = 0; i0 < BLK; i0 += LANES) {
+        float *su = s + (size_t)u * BLK;
+        for (int i0 = 0; i0 < nt; i0 += LANES) {
+            const float *k[LANES];
             vec acc[LANES];
             for (int i = 0; i < LANES; i++) {
-                if (i0 + i >= nt) {
-                    acc[i] = vzero();
-                    continue;
-                }
-                const float *k = krow[i0 + i];
-                vec a = vmul(vload(qu), vload(k));
-                for (int d = LANES; d < D; d += LANES) a = vfma(vload(qu + d), vload(k + d), a);
-                acc[i] = a;
+                k[i] = krow[i0 + i < nt ? i0 + i : nt - 1];
+                acc[i] = vzero();
             }
-            vstore(s + (size_t)u * BLK + i0, hsum(acc));
+            for (int d = 0; d < D; d += LANES) {
+                const vec qd = vload(qu + d);
+                for (int i = 0; i < LANES; i++) acc[i] = vfma(qd, vload(k[i] + d), acc[i]);
+            }
+            vstore(su + i0, hsum(acc));
         }
+        for (int i = nt; i < BLK; i++) su[i] = 0.0f;
+    }
+}
+
+/* Columns [d0, d0 + nv * LANES) of one row: nv accumulators stay in registers over the block's positions (nv
+ * independent chains hide the FMA latency). Every column vector sums its positions in order whatever nv is, so
+ * a row's result does not depend on how its columns are blocked. */
+static inline __attribute__((always_inline)) void pv_cols(float *au, const float *pu, const float *const *vrow,
+                                                          int nt, int d0, const int nv) {
+    vec c[8];
+    for (int w = 0; w < nv; w++) c[w] = vload(au + d0 + w * LANES);
+    for (int i = 0; i < nt; i++) {
+        const vec pi = vset1(pu[i]);
+        for (int w = 0; w < nv; w++) c[w] = vfma(pi, vload(vrow[i] + d0 + w * LANES), c[w]);
+    }
+    for (int w = 0; w < nv; w++) vstore(au + d0 + w * LANES, c[w]);
+}
+
+/* acc[u][0:D] += sum_i p[u][i] * v_i[0:D] for the dot path's nr rows (unpadded), 8, then 4, then 1 column
+ * vectors at a time. */
+static void pv_dot(float *acc, const float *p, int nr, const float *const *vrow, int nt, int D) {
+    for (int u = 0; u < nr; u++) {
+        float *au = acc + (size_t)u * D;
+        const float *pu = p + (size_t)u * BLK;
+        int d0 = 0;
+        for (; d0 + 8 * LANES <= D; d0 += 8 * LANES) pv_cols(au, pu, vrow, nt, d0, 8);
+        for (; d0 + 4 * LANES <= D; d0 += 4 * LANES) pv_cols(au, pu, vrow, nt, d0, 4);
+        for (; d0 < D; d0 += LANES) pv_cols(au, pu, vrow, nt, d0, 1);
     }
 }
 #else
@@ -185,6 +215,11 @@ static inline void pv_tile(float *restrict acc, const float *restrict p, const f
     }
 }
 
+/* The slot of position pos through a request's page-table row (pages of 1 << page_shift positions). */
+static inline int64_t slot_of(const int32_t *row, int page_shift, int pos) {
+    return (((int64_t)row[pos >> page_shift]) << page_shift) | (pos & ((1 << page_shift) - 1));
+}
+
 /* Query rows of one kv head in a task, padded to whole register tiles. */
 static inline int rows_padded(const Task *t, int G) { return ((t->j1 - t->j0) * G + RT - 1) / RT * RT; }
 
@@ -199,7 +234,6 @@ static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, fl
     const int64_t m0 = a->mask_kind == 2 ? a->mask_start[b] : 0;
     const int64_t ss = (int64_t)Hkv * D; /* slot stride in elements */
     const int32_t *row = a->table + b * a->table_stride;
-    const int pmask = (1 << a->page_shift) - 1;
     const size_t qn = (size_t)Hkv * nrp * D, bn = (size_t)BLK * ss;
     float *qf = calloc(qn + 2 * bn + (size_t)nrp * BLK + (size_t)nj * BLK, sizeof(float));
     if (!qf) return 1;
@@ -226,16 +260,19 @@ static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, fl
         const int nt = t->p1 - pb < BLK ? t->p1 - pb : BLK;
         for (int i = 0; i < nt; i++) {
             const int pos = pb + i;
-            off[i] = ((((int64_t)row[pos >> a->page_shift]) << a->page_shift) | (pos & pmask)) * ss;
+            off[i] = slot_of(row, a->page_shift, pos) * ss;
         }
-        /* Slot rows of a page-1 cache are scattered: ask for the next block's early. */
-        for (int pos = pb + PREFETCH * BLK; pos < pb + (PREFETCH + 1) * BLK && pos < t->p1; pos++) {
-            const int64_t o = ((((int64_t)row[pos >> a->page_shift]) << a->page_shift) | (pos & pmask)) * ss * esz;
-            for (int64_t c = 0; c < ss * esz; c += 64) {
-                __builtin_prefetch((const char *)a->k + o + c, 0, 1);
-                __builtin_prefetch((const char *)a->v + o + c, 0, 1);
+        /* Slot rows of a page-1 cache may be scattered: ask for a later block's early, unless its slots are
+         * consecutive (a page-size run), which the hardware prefetcher streams by itself. */
+        const int f0 = pb + PREFETCH * BLK, f1 = f0 + BLK < t->p1 ? f0 + BLK : t->p1;
+        if (f0 < f1 && slot_of(row, a->page_shift, f1 - 1) - slot_of(row, a->page_shift, f0) != f1 - 1 - f0)
+            for (int pos = f0; pos < f1; pos++) {
+                const int64_t o = slot_of(row, a->page_shift, pos) * ss * esz;
+                for (int64_t c = 0; c < ss * esz; c += 64) {
+                    __builtin_prefetch((const char *)a->k + o + c, 0, 1);
+                    __builtin_prefetch((const char *)a->v + o + c, 0, 1);
+                }
             }
-        }
         if (dot) { /* K rows as they are (fp32) or widened into kbuf (bf16) */
             for (int i = 0; i < nt; i++) {
                 if (a->kv_bf16) {
@@ -315,8 +352,13 @@ static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, fl
             memset(s + (size_t)nrh * BLK, 0, sizeof(float) * (size_t)(nrp - nrh) * BLK);
             for (int i = 0; i < nt; i++)
                 vrow[i] = (a->kv_bf16 ? vbuf + i * ss : (const float *)a->v + off[i]) + (int64_t)h * D;
-            for (int r0 = 0; r0 < nrp; r0 += RT)
-                pv_tile(acc + ((size_t)h * nrp + r0) * D, s + (size_t)r0 * BLK, vrow, nt, D);
+#if DOT_PATH
+            if (dot)
+                pv_dot(acc + (size_t)h * nrp * D, s, nrh, vrow, nt, D);
+            else
+#endif
+                for (int r0 = 0; r0 < nrp; r0 += RT)
+                    pv_tile(acc + ((size_t)h * nrp + r0) * D, s + (size_t)r0 * BLK, vrow, nt, D);
         }
     }
     free(qf);
