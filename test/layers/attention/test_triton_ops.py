@@ -181,10 +181,21 @@ def test_extend_matches_dense(P, tree, dtype):
 # ---------------------------------------------------------------- decode
 
 
-def make_decode(P: int, dtype: torch.dtype, seed: int):
+def make_decode(
+    P: int,
+    dtype: torch.dtype,
+    seed: int,
+    heads: tuple[int, int, int] | None = None,
+    lens: list[int] | None = None,
+):
+    """heads (kv heads, q heads, head dim) and lens default to SHAPE's and its ragged lengths."""
     hkv, hq, d, max_len, bsz = dims()
-    rng = random.Random(seed)
-    kv = ragged_lens(P, max_len, bsz, rng)
+    if heads is not None:
+        hkv, hq, d = heads
+    if lens is None:
+        kv = ragged_lens(P, max_len, bsz, random.Random(seed))
+    else:
+        kv, max_len, bsz = lens, max(lens), len(lens)
     cache = PagedCache(sum(-(-n // P) for n in kv) + 3, P, hkv, d, dtype, seed)
     table = cache.table(kv, width=-(-max_len // P) + 1)  # wider than needed: trailing padding pages
     q = torch.randn(bsz, hq, d, generator=cache.gen).to(dtype).to(DEV)
@@ -556,26 +567,8 @@ def test_cpu_kernel_decode_head_dims(d, dtype, monkeypatch):
     """The dot-product decode path blocks a row's columns by 8, 4 and 1 vectors and a block's positions by the
     vector width: head dims that use each column block, and lengths that end mid-group, against the dense
     reference."""
-    hkv, hq, P = 2, 6, 4
-    lens = [1, 5, 37, 70]
-    cache = PagedCache(sum(-(-n // P) for n in lens) + 2, P, hkv, d, dtype, seed=d)
-    table = cache.table(lens)
-    q = torch.randn(len(lens), hq, d, generator=cache.gen).to(dtype)
-    meta = AttentionMetadata(
-        mode=ForwardMode.DECODE,
-        page_size=P,
-        page_table=table,
-        qo_indptr=torch.arange(len(lens) + 1, dtype=torch.int32),
-        prefix_lens=torch.tensor([n - 1 for n in lens], dtype=torch.int32),
-        kv_lens=torch.tensor(lens, dtype=torch.int32),
-        max_q_len=1,
-        max_kv_len=max(lens),
-    )
-    ref = []
-    for b, n in enumerate(lens):
-        k, v = cache.gather(table[b], n)
-        ref.append(dense_ref(q[b : b + 1], k, v, torch.ones(1, n, dtype=torch.bool), 0.2))
-    assert_close(kernel_backend(monkeypatch).decode(q, cache.k, cache.v, meta, 0.2), torch.cat(ref), dtype)
+    cache, q, meta, ref = make_decode(4, dtype, seed=d, heads=(2, 6, d), lens=[1, 5, 37, 70])
+    assert_close(kernel_backend(monkeypatch).decode(q, cache.k, cache.v, meta, 0.25), ref, dtype)
 
 
 @needs_kernel

@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -132,10 +132,10 @@ class KernelPlan:
     mask_kind: int = MASK_ALL
     mask: torch.Tensor | None = None  # flat bool, request b's [n, n] tree at mask_start[b] (MASK_TREE)
     mask_start: torch.Tensor | None = None  # [B] int64
-    # The kernel's plan arguments and query row count, computed once: every layer's call reuses them (per-call
-    # Python work is a visible share of a short-context decode step).
-    c_args: tuple = ()
-    rows: int = 0
+    # Derived once from the fields above, reused by every layer's call (per-call Python work is a visible share of
+    # a short-context decode step): the query row count and the plan's arguments to the C function.
+    rows: int = field(init=False)
+    c_args: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.rows = int(self.q_start[-1])

@@ -263,7 +263,8 @@ static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, fl
             off[i] = slot_of(row, a->page_shift, pos) * ss;
         }
         /* Slot rows of a page-1 cache may be scattered: ask for a later block's early, unless its slots are
-         * consecutive (a page-size run), which the hardware prefetcher streams by itself. */
+         * consecutive (distinct slots whose first and last lie exactly the block apart: a page-size run), which
+         * the hardware prefetcher streams by itself. */
         const int f0 = pb + PREFETCH * BLK, f1 = f0 + BLK < t->p1 ? f0 + BLK : t->p1;
         if (f0 < f1 && slot_of(row, a->page_shift, f1 - 1) - slot_of(row, a->page_shift, f0) != f1 - 1 - f0)
             for (int pos = f0; pos < f1; pos++) {
