@@ -95,7 +95,7 @@ def make_engine(dtype: str, max_len: int, max_batch: int, steps: int, chunk: int
         max_total_tokens=max_batch * per_req + 1024,
         max_running_requests=max(8, max_batch),
     )
-    engine.shutdown()  # the scheduler is stepped on this thread
+    engine.stop_scheduler()  # the scheduler is stepped on this thread
     return engine
 
 

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     ensure_passive_omp()
 
     engine = Engine(speculative_algorithm="NONE", page_size=1, dtype="bfloat16", log_level="warning")
-    engine.shutdown()  # step the scheduler on this thread
+    engine.stop_scheduler()  # step the scheduler on this thread
     sched = engine.scheduler
     fused = {}
     for m in sched.worker.runner.model.modules():

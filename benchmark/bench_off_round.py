@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     ensure_passive_omp()
     # The default server's model, head, dtype and pages; the debug cycle skips calibration (not needed here).
     eng = Engine(ServerArgs(speculative_adaptive=True, speculative_adaptive_debug_cycle=True))
-    eng.shutdown()  # the worker is driven directly below: no scheduler may check the borrowed pages
+    eng.stop_scheduler()  # the worker is driven directly below: no scheduler may check the borrowed pages
     worker = eng.worker
     spec = worker.shape
     prompt = chat_ids(eng.tokenizer, "Explain how a refrigerator keeps food cold.")

@@ -79,7 +79,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def profile_decode(engine: Engine, prompt: list[int], new_tokens: int, top: int) -> dict:
     """Stop the scheduler thread and step it on this thread: torch.profiler and cProfile then see the decode."""
-    engine.shutdown()
+    engine.stop_scheduler()
     sched = engine.scheduler
     results = {}
     for kind in ("cprofile", "torch"):

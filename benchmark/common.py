@@ -284,7 +284,7 @@ def profile_decode(engine, prompts: Sequence[list[int]], new_tokens: int) -> dic
 
     run_requests(engine, [prompts[0]], 6)  # warm-up
     engine.wait_idle()
-    engine.shutdown()
+    engine.stop_scheduler()
     sched = engine.scheduler
     sp = engine.make_sampling_params({"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True})
     reqs = [engine.submit(list(p), sp, lambda out: None) for p in prompts]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 
 import pytest
 import torch
 
+from spec_utils import standalone_engine
 from treepage.entrypoints.engine import Engine
 from treepage.server_args import ServerArgs
 
@@ -270,3 +272,44 @@ def test_abandoned_stream_does_not_kill_other_requests(engine: Engine) -> None:
     asyncio.run(consume_two_and_leave())  # the loop is closed when the scheduler applies the abort
     t.join(timeout=60)
     assert result["out"]["meta_info"]["finish_reason"] == {"type": "length", "length": 300}
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.parametrize("version", [0, 1, 2], ids=["plain", "spec-v1", "spec-v2"])
+def test_shutdown_gives_the_kv_memory_back(tiny_llama_dir: str, version: int) -> None:
+    """An engine sits in reference cycles (its threads and callbacks), so a dropped one is freed only by a full
+    garbage collection: shutdown must free the KV pools itself (the suite once ran out of memory, an engine's
+    default gigabyte at a time). With the garbage collector off, engine after engine must not add up. (The
+    process may keep freed memory for the next allocation, so the check is on growth, not on each release.)"""
+
+    def run_one() -> float:
+        if version:
+            eng = standalone_engine(tiny_llama_dir, tiny_llama_dir, 4, 4, version, cpu_kv_cache_gb=0.25)
+        else:
+            eng = Engine(ServerArgs(model_path=tiny_llama_dir, dtype="float32", page_size=4, cpu_kv_cache_gb=0.25))
+        out = eng.generate(input_ids=[5, 6, 7], sampling_params=greedy(8, ignore_eos=True))
+        assert len(out["output_ids"]) == 8
+        pools = [r.kv_pool for r in eng.worker.model_runners()]
+        assert len(pools) == (2 if version else 1)
+        held_mib = sum(p.nbytes for p in pools) / 2**20
+        eng.shutdown()
+        assert all(p.nbytes == 0 for p in pools)
+        return held_mib
+
+    threads = set(threading.enumerate())
+    gc.collect()
+    gc.disable()
+    try:
+        held_mib = run_one()
+        first = _rss_mib()
+        for _ in range(3):
+            run_one()
+        assert _rss_mib() - first < 0.5 * held_mib, (first, _rss_mib(), held_mib)
+        started = {t.name for t in set(threading.enumerate()) - threads}
+        assert not [n for n in started if n.startswith("treepage-")]  # the scheduler loop, spec v2's forward thread
+    finally:
+        gc.enable()

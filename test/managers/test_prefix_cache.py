@@ -170,7 +170,7 @@ def test_spec_cache_on_equals_plain_matrix(ckpts, reference, algo, topk, page, v
 
 
 def _tree_kv(eng: Engine, ids: list[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(cached positions, target KV, draft KV) of the tree's pages for `ids` (read after shutdown)."""
+    """(cached positions, target KV, draft KV) of the tree's pages for `ids` (read with the scheduler stopped)."""
     cache = eng.scheduler.cache
     pages = torch.tensor(cache.match_prefix(cache.key_of(ids)).pages, dtype=torch.int64)
     P = cache.P
@@ -200,14 +200,14 @@ def test_hit_hands_the_draft_the_cold_draft_kv(ckpts, version) -> None:
         out_b = warm.generate(input_ids=b, sampling_params=SP)
         warm.wait_idle()
     finally:
-        warm.shutdown()
+        warm.stop_scheduler()  # the pools are read below
     assert out_b["meta_info"]["cached_tokens"] == P  # a token key would have reused 2 pages
     cold = make_engine(ckpts, P, **spec)
     try:
         cold_b = cold.generate(input_ids=b, sampling_params=SP)
         cold.wait_idle()
     finally:
-        cold.shutdown()
+        cold.stop_scheduler()
     assert cold_b["output_ids"] == out_b["output_ids"] and cold_b["meta_info"]["cached_tokens"] == 0
     ids_b = b + out_b["output_ids"]
     n_warm, tgt_w, drf_w = _tree_kv(warm, ids_b)
@@ -221,6 +221,8 @@ def test_hit_hands_the_draft_the_cold_draft_kv(ckpts, version) -> None:
     assert n_a >= 2 * P
     assert not torch.allclose(drf_a[:, :, 2 * P - 1], drf_c[:, :, 2 * P - 1], atol=1e-4)
     torch.testing.assert_close(drf_a[:, :, : 2 * P - 1], drf_c[:, :, : 2 * P - 1], atol=1e-5, rtol=1e-5)
+    warm.shutdown()
+    cold.shutdown()
 
 
 @pytest.mark.parametrize("spec", [False, True])

@@ -109,7 +109,7 @@ def check_parity(engine: Engine, hf: torch.nn.Module, ids: list[int], atol: floa
     assert len(ref) == NEW_TOKENS
     assert out["output_ids"] == ref
     engine.wait_idle()
-    engine.shutdown()
+    engine.stop_scheduler()
 
     ours = runner_logits(engine, ids)
     theirs = hf_logits(hf, ids)

@@ -410,9 +410,17 @@ class Engine:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def shutdown(self) -> None:
+    def stop_scheduler(self) -> None:
+        """Stop the scheduler thread and keep the models and pools: a benchmark or test then steps the scheduler,
+        or drives the worker, on its own thread."""
         self.scheduler.stop()
         self._thread.join(timeout=10)
+
+    def shutdown(self) -> None:
+        """Stop the scheduler thread and free the KV pools (`Worker.close`); nothing may run on the engine after."""
+        self.stop_scheduler()
+        if not self._thread.is_alive():  # a loop still stepping would write into freed KV
+            self.worker.close()
 
     def __enter__(self) -> Engine:
         return self

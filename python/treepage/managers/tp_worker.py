@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from treepage.core import Req, StepOutput
 from treepage.layers import logits_processor, logprobs
 from treepage.layers.forward_batch import ForwardMode
@@ -42,9 +40,6 @@ class TpWorker(Worker):
 
     def release(self, rids: list[str]) -> None:
         """Nothing is kept between steps."""
-
-    def copy_kv(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.runner.kv_pool.move_kv_cache(dst, src)
 
     def drain(self) -> None:
         """Steps are synchronous."""

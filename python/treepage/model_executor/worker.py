@@ -1,4 +1,5 @@
-"""The scheduler <-> worker contract. The scheduler calls these five methods and nothing else.
+"""The scheduler <-> worker contract. The scheduler calls the five step and memory methods and nothing else;
+the engine calls `close` once the scheduler's loop has stopped.
 
 Memory is the scheduler's: before `prefill` / `decode` it has grown every request's row to cover what the
 step may touch (`mem_cache/sizing.py`); a worker writes KV only inside [0, req.allocated_len) of each row.
@@ -34,10 +35,22 @@ class Worker(ABC):
         """Forget the per-request state of finished, aborted or retracted requests (drains first)."""
 
     @abstractmethod
+    def drain(self) -> None:
+        """Wait for any in-flight round; afterwards no forward touches memory until the next call."""
+
+    def model_runners(self) -> list[ModelRunner]:
+        """Every model the worker runs, each with its own KV pool."""
+        return [self.runner]
+
     def copy_kv(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy the KV of slots `src` into slots `dst` in every pool the worker owns (target and draft): a sample
         of a group takes its sibling's partial prompt page (docs/design.md, "Parallel sampling")."""
+        self.drain()  # spec v2: no round runs while the pools are written
+        for runner in self.model_runners():
+            runner.kv_pool.move_kv_cache(dst, src)
 
-    @abstractmethod
-    def drain(self) -> None:
-        """Wait for any in-flight round; afterwards no forward touches memory until the next call."""
+    def close(self) -> None:
+        """Free the KV memory of every pool once the scheduler loop has stopped: no call may follow."""
+        self.drain()
+        for runner in self.model_runners():
+            runner.kv_pool.free()

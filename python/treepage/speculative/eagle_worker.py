@@ -188,10 +188,8 @@ class EagleWorker(Worker):
     def drain(self) -> None:
         """Rounds are synchronous."""
 
-    def copy_kv(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.drain()  # spec v2: no round runs while the pools are written
-        self.runner.kv_pool.move_kv_cache(dst, src)
-        self.draft.kv_pool.move_kv_cache(dst, src)
+    def model_runners(self) -> list[ModelRunner]:
+        return [self.runner, self.draft]
 
     def decode(self, reqs: list[Req]) -> list[StepOutput]:
         shape = self.next_shape(len(reqs))

@@ -45,6 +45,10 @@ class EagleWorkerV2(EagleWorker):
         self.observe(done.shape, outs, seconds)
         self.pending.update(zip(done.rids, outs))
 
+    def close(self) -> None:
+        super().close()
+        self.executor.shutdown()
+
     def decode(self, reqs: list[Req]) -> list[StepOutput]:
         rids = [r.rid for r in reqs]
         if self.pending or (self.inflight is not None and self.inflight.rids != rids):
