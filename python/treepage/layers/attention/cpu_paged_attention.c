@@ -24,7 +24,7 @@
 #define RT 4          /* rows per register tile */
 #define MIN_CHUNK 256 /* smallest KV chunk worth a task of its own */
 #define PARALLEL_WORK 1024 /* KV positions x query tiles below which a call runs single-threaded */
-#define PREFETCH 2     /* blocks ahead whose slot rows are prefetched (into L2) */
+#define PREFETCH 1     /* blocks ahead whose slot rows are prefetched (into L2) */
 #define NEG (-1e30f)  /* finite "minus infinity": masked scores never reach exp */
 
 typedef struct {
@@ -262,18 +262,16 @@ static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, fl
             const int pos = pb + i;
             off[i] = slot_of(row, a->page_shift, pos) * ss;
         }
-        /* Slot rows of a page-1 cache may be scattered: ask for a later block's early, unless its slots are
-         * consecutive (distinct slots whose first and last lie exactly the block apart: a page-size run), which
-         * the hardware prefetcher streams by itself. */
+        /* Ask for the next block's slot rows early, scattered (page 1) or consecutive alike: the hardware
+         * prefetcher alone left a batch-8 decode at 2,048 positions a third slower (docs/benchmarks_context.md). */
         const int f0 = pb + PREFETCH * BLK, f1 = f0 + BLK < t->p1 ? f0 + BLK : t->p1;
-        if (f0 < f1 && slot_of(row, a->page_shift, f1 - 1) - slot_of(row, a->page_shift, f0) != f1 - 1 - f0)
-            for (int pos = f0; pos < f1; pos++) {
-                const int64_t o = slot_of(row, a->page_shift, pos) * ss * esz;
-                for (int64_t c = 0; c < ss * esz; c += 64) {
-                    __builtin_prefetch((const char *)a->k + o + c, 0, 1);
-                    __builtin_prefetch((const char *)a->v + o + c, 0, 1);
-                }
+        for (int pos = f0; pos < f1; pos++) {
+            const int64_t o = slot_of(row, a->page_shift, pos) * ss * esz;
+            for (int64_t c = 0; c < ss * esz; c += 64) {
+                __builtin_prefetch((const char *)a->k + o + c, 0, 1);
+                __builtin_prefetch((const char *)a->v + o + c, 0, 1);
             }
+        }
         if (dot) { /* K rows as they are (fp32) or widened into kbuf (bf16) */
             for (int i = 0; i < nt; i++) {
                 if (a->kv_bf16) {
