@@ -419,8 +419,10 @@ class Engine:
     def shutdown(self) -> None:
         """Stop the scheduler thread and free the KV pools (`Worker.close`); nothing may run on the engine after."""
         self.stop_scheduler()
-        if not self._thread.is_alive():  # a loop still stepping would write into freed KV
-            self.worker.close()
+        if self._thread.is_alive():  # a loop still stepping would write into freed KV
+            logger.warning("the scheduler thread did not stop within 10 s: the KV pools stay allocated")
+            return
+        self.worker.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -60,7 +60,6 @@ class KVPool:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
     ) -> None:
-        self.num_slots = num_slots
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -74,14 +73,17 @@ class KVPool:
         return self.kv_data.device
 
     @property
+    def num_slots(self) -> int:
+        return self.kv_data.shape[2]
+
+    @property
     def nbytes(self) -> int:
         return self.kv_data.numel() * self.kv_data.element_size()
 
     def free(self) -> None:
         """Give the buffer back now that no forward will run. An engine sits in reference cycles (its threads and
         callbacks), so without this its KV (a gigabyte by default on CPU) waits for a full garbage collection."""
-        self.kv_data = self.kv_data.new_empty((2, self.num_layers, 0, self.num_kv_heads, self.head_dim))
-        self.num_slots = 0
+        self.kv_data = self.kv_data[:, :, :0].clone()
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.kv_data[0, layer_id].index_copy_(0, slots, k.to(self.dtype))

@@ -46,8 +46,8 @@ class EagleWorkerV2(EagleWorker):
         self.pending.update(zip(done.rids, outs))
 
     def close(self) -> None:
+        self.executor.shutdown()  # waits for an in-flight round, so none runs while the pools are freed
         super().close()
-        self.executor.shutdown()
 
     def decode(self, reqs: list[Req]) -> list[StepOutput]:
         rids = [r.rid for r in reqs]
