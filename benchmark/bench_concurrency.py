@@ -2,11 +2,13 @@
 all real `launch_server` processes driven by the official openai client with streaming, side by side in one run,
 at several concurrency levels.
 
-    python benchmark/bench_concurrency.py [--concurrency 1 2 4 8] [--requests 2] [--max-tokens 64]
+    python benchmark/bench_concurrency.py [--concurrency 1 2 4 8] [--requests 2] [--reps 1] [--max-tokens 64]
 
 Every server gets the same general chat questions (held-out topics the shipped heads never saw), `c` streams in
 flight at a time, `max(--requests, c)` requests per level, greedy, exactly --max-tokens tokens each (ignore_eos).
-The order of the servers alternates between levels. Output tok/s = completion tokens / wall time of the level;
+Each server serves a level `--reps` times, the order of the servers reversed on every pass (a burst of load from
+elsewhere on a shared machine then falls on different servers). Output tok/s = completion tokens / wall time,
+summed over a server's passes;
 ITL = the gaps between streamed chunks of a request (a speculative round may deliver several tokens in one
 chunk, as in SGLang's bench_serving). Results: benchmark/results/<--name>.json, a markdown table and a PNG.
 """
@@ -19,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -38,13 +41,14 @@ from treepage.arg_groups.speculative import DEFAULT_SERVER_TREE  # noqa: E402
 from treepage.speculative.adaptive import TreeShape, default_candidates  # noqa: E402
 
 DOCS = HERE.parent / "docs"
+DEFAULT = "default (adaptive)"
 
 
 def servers() -> dict[str, list[str]]:
     """Name -> launch flags. Fixed shapes use the default server's model, head and pages with explicit flags
     (which turn adaptation off); "off" keeps the 64-token pages so only speculation differs."""
     out: dict[str, list[str]] = {
-        "default (adaptive)": [],
+        DEFAULT: [],
         "off": ["--speculative-algorithm", "NONE", "--page-size", "64"],
     }
     for c in default_candidates(TreeShape(*DEFAULT_SERVER_TREE)):
@@ -78,21 +82,41 @@ def stream_one(client: openai.OpenAI, question: str, max_tokens: int) -> dict:
 
 
 def run_level(base_url: str, questions: list[str], concurrency: int, max_tokens: int) -> dict:
+    """One pass over the questions, `concurrency` streams in flight: raw tokens, seconds, ITL gaps and TTFTs."""
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=900, max_retries=0)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         done = list(pool.map(lambda q: stream_one(client, q, max_tokens), questions))
-    seconds = time.perf_counter() - t0
-    gaps = [b - a for d in done for a, b in zip(d["arrivals"], d["arrivals"][1:])]
-    tokens = sum(d["tokens"] for d in done)
     return {
         "requests": len(done),
+        "tokens": sum(d["tokens"] for d in done),
+        "seconds": time.perf_counter() - t0,
+        "gaps": [b - a for d in done for a, b in zip(d["arrivals"], d["arrivals"][1:])],
+        "ttfts": [d["ttft"] for d in done if d["ttft"] is not None],
+    }
+
+
+def summarize(passes: list[dict]) -> dict:
+    """A server's passes at one level: tok/s over all of them (and per pass), medians over all ITLs and TTFTs."""
+    tokens = sum(p["tokens"] for p in passes)
+    seconds = sum(p["seconds"] for p in passes)
+    gaps = [g for p in passes for g in p["gaps"]]
+    ttfts = [t for p in passes for t in p["ttfts"]]
+    return {
+        "requests": sum(p["requests"] for p in passes),
         "tokens": tokens,
         "seconds": round(seconds, 3),
         "tok_per_s": round(tokens / seconds, 3),
+        "tok_per_s_per_pass": [round(p["tokens"] / p["seconds"], 3) for p in passes],
         "median_itl_ms": round(statistics.median(gaps) * 1e3, 1) if gaps else None,
-        "median_ttft_ms": round(statistics.median(d["ttft"] for d in done if d["ttft"] is not None) * 1e3, 1),
+        "median_ttft_ms": round(statistics.median(ttfts) * 1e3, 1) if ttfts else None,
     }
+
+
+def adaptive_rounds(base_url: str) -> dict[str, int]:
+    """The default server's rounds per shape so far (/get_server_info)."""
+    info = httpx.get(f"{base_url}/get_server_info", timeout=10).json()
+    return dict((info.get("speculative_adaptive") or {}).get("rounds", {}))
 
 
 def plot(results: dict, path: Path) -> None:
@@ -123,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--requests", type=int, default=2, help="requests per level (at least the concurrency)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=1, help="passes per level and server, the order alternating")
     ap.add_argument("--name", default="concurrency_cpu")
     ap.add_argument("--plot", default=str(DOCS / "bench_concurrency.png"))
     ap.add_argument("--servers", nargs="+", default=None, help="a subset of the server names (smoke runs)")
@@ -142,9 +167,19 @@ def main(argv: list[str] | None = None) -> dict:
             run_level(u, questions[-1:], 1, 8)  # warm-up
         for j, c in enumerate(args.concurrency):
             qs = questions[: max(args.requests, c)]
-            order = list(urls) if j % 2 == 0 else list(urls)[::-1]
-            results["runs"][str(c)] = {name: run_level(urls[name], qs, c, args.max_tokens) for name in order}
-        info = httpx.get(f"{urls['default (adaptive)']}/get_server_info", timeout=10).json()
+            passes: dict[str, list[dict]] = {name: [] for name in urls}
+            served: Counter[str] = Counter()  # the default server's rounds per shape at this level
+            for rep in range(args.reps):
+                order = list(urls) if (j + rep) % 2 == 0 else list(urls)[::-1]
+                for name in order:
+                    before = adaptive_rounds(urls[name]) if name == DEFAULT else {}
+                    passes[name].append(run_level(urls[name], qs, c, args.max_tokens))
+                    if name == DEFAULT:
+                        served.update(Counter(adaptive_rounds(urls[name])) - Counter(before))
+            results["runs"][str(c)] = {name: summarize(p) for name, p in passes.items()}
+            if DEFAULT in passes:
+                results["runs"][str(c)][DEFAULT]["adaptive_rounds"] = dict(served)
+        info = httpx.get(f"{urls[DEFAULT]}/get_server_info", timeout=10).json()
         results["default_server_info"] = {
             k: info.get(k) for k in ("dtype", "page_size", "spec_version", "speculative_adaptive")
         }
@@ -160,20 +195,30 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for c, run in results["runs"].items():
         best_name = max((n for n in run if not n.startswith("default")), key=lambda n: run[n]["tok_per_s"])
-        ratio = run["default (adaptive)"]["tok_per_s"] / run[best_name]["tok_per_s"]
-        run["default_vs_best"] = {"best": best_name, "ratio": round(ratio, 3)}
+        ratio = run[DEFAULT]["tok_per_s"] / run[best_name]["tok_per_s"]
+        per_pass = [  # the same ratio within each pass: how much of it is the machine's noise
+            d / max(run[n]["tok_per_s_per_pass"][i] for n in run if n != DEFAULT)
+            for i, d in enumerate(run[DEFAULT]["tok_per_s_per_pass"])
+        ]
+        run["default_vs_best"] = {
+            "best": best_name,
+            "ratio": round(ratio, 3),
+            "ratio_per_pass": [round(r, 3) for r in per_pass],
+        }
         for name in flags:
             r = run[name]
             rows.append([c, name, r["tok_per_s"], r["median_itl_ms"], r["median_ttft_ms"]])
-        rows.append([c, f"**default / best ({best_name})**", f"**{ratio:.3f}**", "", ""])
+        passes = " / ".join(f"{r:.3f}" for r in per_pass)
+        rows.append([c, f"**default / best ({best_name})**", f"**{ratio:.3f}** (per pass {passes})", "", ""])
     print(machine_line(results["machine"]))
     print_table(
         f"Output tok/s and median ITL over HTTP (streaming), {args.max_tokens} tokens per request, "
-        f"max({args.requests}, c) requests per level",
+        f"max({args.requests}, c) requests per level, {args.reps} pass(es)",
         ["concurrency", "server", "tok/s", "median ITL ms", "median TTFT ms"],
         rows,
     )
-    print("adaptive rounds:", (results["default_server_info"]["speculative_adaptive"] or {}).get("rounds"))
+    for c, run in results["runs"].items():
+        print(f"adaptive rounds at concurrency {c}:", run[DEFAULT].get("adaptive_rounds"))
     plot(results, Path(args.plot))
     print(f"results: {os.path.relpath(write_results(args.name, results))}; plot: {os.path.relpath(args.plot)}")
     return results
