@@ -1,15 +1,33 @@
-"""Fusing sibling projections (q/k/v, gate/up) that read the same input into one matmul for inference."""
+"""The models' linear layers: the few-row bf16 kernel where it serves, and sibling projections (q/k/v, gate/up)
+that read the same input fused into one matmul for inference."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from treepage.layers import cpu_linear
 
 # Rows (tokens) up to which the fused matmul serves; longer inputs (prefills) run the separate projections, which
 # read the same weights (views of the fused tensor). One call instead of three saves the thread-pool wake-up
 # and the call overhead that dominate a decode step, but for hundreds of rows MKL's fp32 GEMM over the wider
 # fused weight ran 2-5 % slower than the separate ones (docs/benchmarks_context.md).
 FUSED_MAX_ROWS = 128
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, on the CPU bf16 kernel for few rows (decode and draft steps) where it computes natively."""
+    if cpu_linear.serves(x, weight, bias):
+        return cpu_linear.linear_bf16(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state_dict names) whose forward is `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 def use_fused(x: torch.Tensor) -> bool:
@@ -22,7 +40,7 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
     """(weight, bias) with F.linear(x, weight, bias) == torch.cat([lin(x) for lin in linears], -1).
 
     One larger GEMM instead of several small ones saves a call per projection (on a CPU each call also wakes the
-    thread pool); callers pick the fused or the separate path per input with use_fused. The originals'
+    thread pool); callers pick the fused or the separate path per input with use_fused and call `linear`. The originals'
     parameters become views of the fused tensors: memory stays the same, the state_dict keeps the checkpoint's
     names, and an in-place update of, say, q_proj.weight reaches the fused matmul too. The fused tensors are
     plain attributes of the caller, not parameters.

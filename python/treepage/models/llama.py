@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treepage.layers.forward_batch import CaptureHidden, ForwardBatch, ModelOutput
-from treepage.layers.linear import fuse_linears, use_fused
+from treepage.layers.linear import Linear, fuse_linears, linear, use_fused
 from treepage.layers.norm import RMSNorm
 from treepage.layers.rope import RotaryEmbedding
 from treepage.models.config import ModelConfig
@@ -25,10 +25,10 @@ class LlamaAttention(nn.Module):
         hidden = config.hidden_size
         in_features = in_features or hidden
         bias = bool(config.hf_config.get("attention_bias", False))
-        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_proj = Linear(in_features, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.scaling = self.head_dim**-0.5
         self.rope = rope
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections()
@@ -39,7 +39,7 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         T = x.shape[0]
         if self.qkv is not None and use_fused(x):
-            q, k, v = F.linear(x, *self.qkv).split(
+            q, k, v = linear(x, *self.qkv).split(
                 [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1
             )
         else:
@@ -55,9 +55,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections()
 
     def fuse_projections(self) -> None:
@@ -65,7 +65,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None and use_fused(x):
-            gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+            gate, up = linear(x, *self.gate_up).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
@@ -109,7 +109,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, max_position or config.max_position_embeddings)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.aux_layers = default_aux_layers(config.num_hidden_layers)

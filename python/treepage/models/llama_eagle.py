@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from treepage.layers.forward_batch import ForwardBatch, ModelOutput
+from treepage.layers.linear import Linear
 from treepage.layers.norm import RMSNorm
 from treepage.layers.rope import RotaryEmbedding
 from treepage.models.config import ModelConfig
@@ -85,7 +86,7 @@ class LlamaForCausalLMEagle(nn.Module):
         self.config = config
         H = config.hidden_size
         # A missing "bias" key means the fc has a bias (LLaMA-2 / Vicuna heads).
-        self.fc = nn.Linear(2 * H, H, bias=bool(config.hf_config.get("bias", True)))
+        self.fc = Linear(2 * H, H, bias=bool(config.hf_config.get("bias", True)))
         self.rope = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList([EagleDecoderLayer(config, self.rope)])
         self.embed_tokens: nn.Embedding | None = None  # the target's, set by bind_target

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from treepage.layers.forward_batch import ForwardBatch, ModelOutput
+from treepage.layers.linear import Linear
 from treepage.layers.norm import RMSNorm
 from treepage.layers.rope import RotaryEmbedding
 from treepage.models.config import ModelConfig
@@ -82,12 +83,12 @@ class LlamaForCausalLMEagle3(nn.Module):
         self.feature_width = self.num_aux * H
         if self.feature_width == H:
             raise ValueError("num_aux_hidden_states=1 makes target features and own states indistinguishable")
-        self.fc = nn.Linear(self.feature_width, H, bias=bool(d.get("bias", False)))
+        self.fc = Linear(self.feature_width, H, bias=bool(d.get("bias", False)))
         self.rope = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling)
         self.midlayer = Eagle3DecoderLayer(config, self.rope)
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.lm_head: nn.Linear | None = (
-            None if config.tie_word_embeddings else nn.Linear(H, self.draft_vocab_size, bias=False)
+            None if config.tie_word_embeddings else Linear(H, self.draft_vocab_size, bias=False)
         )
         self._lm_head_from_target = config.tie_word_embeddings
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
@@ -145,9 +146,7 @@ class LlamaForCausalLMEagle3(nn.Module):
             )
         self.embed_tokens = embed
         if self.config.tie_word_embeddings:
-            self.lm_head = nn.Linear(
-                self.config.hidden_size, self.config.vocab_size, bias=False, device="meta"
-            )
+            self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
             self.lm_head.weight = embed.weight
         elif self._lm_head_from_target:
             self.lm_head = target.lm_head

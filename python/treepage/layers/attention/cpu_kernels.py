@@ -1,115 +1,39 @@
-"""The C paged-attention kernel for CPU (cpu_paged_attention.c): built at first use, loaded with ctypes.
+"""The C paged-attention kernel for CPU (cpu_paged_attention.c), built and loaded by layers/cpu_build.py.
 
 Why C: torch has no op that reads K/V in place through a page table, so the torch path gathers (and widens to
 fp32) the whole context of every layer at every step, which costs several times the bytes the attention needs.
-The kernel is plain C with OpenMP (the same libgomp torch loaded, so one thread pool); it is compiled once per
-source/compiler/CPU into a per-user cache directory, and anything that fails (no compiler, a compile error, an
-unsupported dtype) leaves the torch path in charge.
+Anything that fails (no compiler, a compile error, an unsupported dtype) leaves the torch path in charge.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from treepage.layers.cpu_build import load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
-# Vectorize for this CPU; finite sentinels keep the kernel correct without IEEE inf/NaN semantics being relied on.
-FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-std=c11"]
-ARCH_FLAGS = [["-march=native"], []]  # fall back to the compiler's default target
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("TREEPAGE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "treepage"
-    )
-    return Path(base) / "kernels"
-
-
-def _cpu_signature() -> str:
-    """-march=native binds the binary to this CPU: the CPU's model and flags are part of the cache key."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return ""
-
-
-def _compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return cc
-    return None
-
-
-def _build(cc: str) -> Path:
-    src = SOURCE.read_bytes()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    errors = []
-    for arch in ARCH_FLAGS:
-        flags = FLAGS + arch
-        key = hashlib.sha256(src + repr(flags).encode() + version.encode() + _cpu_signature().encode())
-        out = cache_dir() / f"cpu_paged_attention-{key.hexdigest()[:16]}.so"
-        if out.exists():
-            return out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        proc = subprocess.run(
-            [cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300
-        )
-        if proc.returncode == 0:
-            os.replace(tmp, out)  # atomic: concurrent builders each install a complete file
-            return out
-        os.unlink(tmp)
-        errors.append(f"{' '.join(arch) or 'default target'}: {proc.stderr.strip()[-2000:]}")
-    raise RuntimeError("compiling the CPU attention kernel failed:\n" + "\n".join(errors))
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.paged_attention.restype = i32
+    lib.paged_attention.argtypes = [
+        p, i32, p, p, i32,  # q, q_bf16, k_cache, v_cache, kv_bf16
+        p, i64, i32,  # table, table_stride, page_size
+        p, p, p,  # q_start, kv_len, full_len
+        i32, p, p,  # mask_kind, mask, mask_start
+        i32, i32, i32, i32, f32,  # B, Hq, Hkv, D, scale
+        p, p, i32,  # out, lse, nthreads
+    ]  # fmt: skip
 
 
 def load() -> ctypes.CDLL | None:
     """The kernel library, or None (logged once) when it cannot be built here."""
-    global _lib, _tried
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        cc = _compiler()
-        if cc is None:
-            logger.warning("no C compiler found: CPU attention runs on the torch path (gathered K/V)")
-            return None
-        try:
-            lib = ctypes.CDLL(str(_build(cc)))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            logger.warning("CPU attention kernel unavailable (%s): the torch path runs instead", e)
-            return None
-        p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-        lib.paged_attention.restype = i32
-        lib.paged_attention.argtypes = [
-            p, i32, p, p, i32,  # q, q_bf16, k_cache, v_cache, kv_bf16
-            p, i64, i32,  # table, table_stride, page_size
-            p, p, p,  # q_start, kv_len, full_len
-            i32, p, p,  # mask_kind, mask, mask_start
-            i32, i32, i32, i32, f32,  # B, Hq, Hkv, D, scale
-            p, p, i32,  # out, lse, nthreads
-        ]  # fmt: skip
-        _lib = lib
-        return lib
+    return load_kernel(SOURCE, _declare, "the torch attention path (gathered K/V)")
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)

@@ -11,8 +11,8 @@
  * (max, sum, acc) and are merged by log-sum-exp.
  *
  * Outputs: out [rows, Hq, D] fp32, and when lse != NULL the natural-log LSE [rows, Hq] (-inf: nothing visible,
- * out 0). Returns nonzero when scratch memory could not be allocated. Compiled at first use by cpu_kernels.py;
- * without a C compiler the torch path runs instead.
+ * out 0). Returns nonzero when scratch memory could not be allocated. Compiled at first use by
+ * layers/cpu_build.py; without a C compiler the torch path runs instead.
  */
 #include <math.h>
 #include <stdint.h>

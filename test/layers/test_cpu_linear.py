@@ -1,0 +1,181 @@
+"""The bf16 few-row linear kernel (layers/cpu_linear_bf16.c): where it runs, what it computes, who calls it."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from treepage.entrypoints.engine import Engine
+from treepage.layers import cpu_build, cpu_linear
+from treepage.layers.linear import Linear, linear
+from treepage.server_args import ServerArgs
+
+BF16 = torch.bfloat16
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {w for ln in f if ln.startswith("flags") for w in ln.split(":", 1)[1].split()}
+    except OSError:
+        return set()
+
+
+HAS_NATIVE_BF16 = platform.machine() in ("x86_64", "AMD64") and {"avx512_bf16", "avx512bw"} <= cpu_flags()
+needs_native = pytest.mark.skipif(
+    not HAS_NATIVE_BF16 or cpu_build._compiler() is None, reason="the kernel computes only with AVX512-BF16"
+)
+
+
+def test_the_kernel_computes_exactly_where_the_cpu_has_avx512_bf16():
+    if cpu_build._compiler() is None:
+        assert cpu_linear.load() is None
+    else:  # built for this CPU: a stub without the instructions, so torch's matmul keeps every shape there
+        assert (cpu_linear.load() is not None) == HAS_NATIVE_BF16
+    x, w = torch.randn(1, 8, dtype=BF16), torch.randn(4, 8, dtype=BF16)
+    assert cpu_linear.serves(x, w, None) == HAS_NATIVE_BF16
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact result in fp64 and a bound for fp32 accumulation plus the one bf16 rounding."""
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    scale = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+    return exact, exact.abs() * 2.0**-8 + scale * x.shape[-1] * 2.0**-23
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [0, 1, 2])
+@pytest.mark.parametrize("N,K", [(1, 1), (7, 31), (9, 32), (13, 33), (5, 100), (576, 1536), (1539, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_the_exact_product(rows, N, K, bias):
+    torch.manual_seed(N * 1000 + K)
+    x, w = torch.randn(rows, K, dtype=BF16), torch.randn(N, K, dtype=BF16)
+    b = torch.randn(N, dtype=BF16) if bias else None
+    assert cpu_linear.serves(x, w, b)
+    y = cpu_linear.linear_bf16(x, w, b)
+    assert y.dtype == BF16 and y.shape == (rows, N)
+    exact, tol = reference(x, w, b)
+    assert ((y.double() - exact).abs() <= tol).all()
+
+
+@needs_native
+def test_kernel_rounds_once_to_nearest_even():
+    """Small integers make every fp32 sum exact, so the result must be exactly the fp32 sum rounded to bf16."""
+    torch.manual_seed(0)
+    K = 64 + 17  # a full 32-wide block and a tail
+    x = torch.randint(-8, 9, (2, K)).to(BF16)
+    w = torch.randint(-8, 9, (11, K)).to(BF16) * 2.0**-3
+    b = torch.full((11,), 200.0, dtype=BF16) + torch.arange(11).to(BF16)
+    y = cpu_linear.linear_bf16(x, w, b)
+    exact32 = (x.double() @ w.double().T + b.double()).float()  # exact: integers and eighths below 2^24
+    assert torch.equal(y, exact32.to(BF16))
+    # 257 and 259 are ties between bf16 neighbours (256, 258, 260): round to even gives 256 and 260
+    one = torch.ones(1, 1, dtype=BF16)
+    for value, expect in ((257.0, 256.0), (259.0, 260.0)):
+        y = cpu_linear.linear_bf16(
+            one, torch.tensor([[256.0]], dtype=BF16), torch.tensor([value - 256], dtype=BF16)
+        )
+        assert y.item() == expect
+
+
+@needs_native
+def test_batched_leading_dims_and_a_non_contiguous_input():
+    torch.manual_seed(1)
+    w = torch.randn(40, 64, dtype=BF16)
+    x = torch.randn(64, 2, dtype=BF16).T  # [2, 64], not contiguous
+    y = linear(x, w)
+    exact, tol = reference(x, w, None)
+    assert ((y.double() - exact).abs() <= tol).all()
+    x3 = torch.randn(1, 2, 64, dtype=BF16)
+    assert torch.equal(linear(x3, w)[0], linear(x3[0], w))
+
+
+def test_other_inputs_stay_on_torch(monkeypatch):
+    """fp32, more rows than the kernel beats torch at, a strided weight and autograd all run F.linear."""
+    monkeypatch.setattr(cpu_linear, "linear_bf16", lambda *a: pytest.fail("the kernel ran"))
+    w = torch.randn(6, 16, dtype=BF16)
+    cases = [
+        (torch.randn(1, 16), w.float()),
+        (torch.randn(cpu_linear.MAX_ROWS + 1, 16, dtype=BF16), w),
+        (torch.randn(1, 16, dtype=BF16), torch.randn(16, 6, dtype=BF16).T),
+        (torch.randn(1, 16, dtype=BF16, requires_grad=True), w),
+    ]
+    for x, weight in cases:
+        assert not cpu_linear.serves(x, weight, None)
+        torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=0, atol=0)
+
+
+def test_linear_module_keeps_nn_linear_names_and_trains():
+    torch.manual_seed(2)
+    lin = Linear(16, 6, bias=True).to(BF16)
+    assert list(lin.state_dict()) == ["weight", "bias"]
+    x = torch.randn(1, 16, dtype=BF16)
+    lin(x).float().sum().backward()  # parameters that need grad: the autograd path, gradients arrive
+    assert lin.weight.grad is not None and lin.bias.grad is not None
+    with torch.no_grad():
+        exact, tol = reference(x, lin.weight, lin.bias)
+        assert ((lin(x).double() - exact).abs() <= tol).all()
+
+
+PROMPTS = [
+    "Write a short note to a friend about a trip to the mountains.",
+    "How do I make a simple tomato soup?",
+    "Explain what an HTTP 404 status code means.",
+]
+
+
+def greedy(engine: Engine, n: int) -> list[list[int]]:
+    sp = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+    return [
+        engine.generate(input_ids=engine.tokenizer.encode(p), sampling_params=sp)["output_ids"]
+        for p in PROMPTS
+    ]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> int:
+    """Leading tokens two greedy runs share, summed over the prompts."""
+    return sum(next((i for i, (x, y) in enumerate(zip(u, v)) if x != y), len(u)) for u, v in zip(a, b))
+
+
+@needs_native
+def test_bf16_decode_runs_on_the_kernel_and_stays_as_close_to_fp32(smollm2_gguf_path, monkeypatch):
+    """bf16 greedy generations of the default model: every decode step's projections and head run in the kernel,
+    and they follow the fp32 model's tokens at least as far as bf16 on torch's matmul does (bf16 rounding makes
+    any two bf16 paths part after a few tokens; the kernel rounds once from fp32 sums, as torch does)."""
+    n = 24
+
+    def engine(dtype: str) -> Engine:
+        return Engine(
+            ServerArgs(
+                model_path=smollm2_gguf_path,
+                dtype=dtype,
+                page_size=16,
+                max_total_tokens=2048,
+                disable_radix_cache=True,
+            )
+        )
+
+    fp32 = engine("float32")
+    try:
+        reference = greedy(fp32, n)
+    finally:
+        fp32.shutdown()
+    bf16 = engine("bfloat16")
+    try:
+        calls = []
+        real = cpu_linear.linear_bf16
+        monkeypatch.setattr(cpu_linear, "linear_bf16", lambda *a: calls.append(1) or real(*a))
+        on_kernel = greedy(bf16, n)
+        assert len(calls) >= len(PROMPTS) * (n - 1) * (
+            30 * 4 + 1
+        )  # every projection and head of every decode
+        monkeypatch.setattr(cpu_linear, "MAX_ROWS", 0)
+        calls.clear()
+        on_torch = greedy(bf16, n)
+        assert not calls
+    finally:
+        bf16.shutdown()
+    assert agreement(on_kernel, reference) >= agreement(on_torch, reference)
