@@ -98,8 +98,7 @@ class SamplingParams:
         given = [f for f in GRAMMAR_FIELDS if getattr(self, f) not in (None, [], "")]
         if len(given) > 1:
             raise SamplingParamError(
-                given[0],
-                f"only one of {', '.join(given)} may be set per request (each is a whole constraint)",
+                given[0], f"only one of {', '.join(given)} may be set per request (each is a whole constraint)"
             )
         return (given[0], getattr(self, given[0])) if given else None
 
@@ -155,13 +154,10 @@ class SamplingParams:
                 raise SamplingParamError("logit_bias", f"logit_bias[{t}] must be in [-100, 100], got {b!r}")
         m = self.min_new_tokens
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
-            raise SamplingParamError(
-                "min_new_tokens", f"min_new_tokens must be a non-negative integer, got {m!r}"
-            )
+            raise SamplingParamError("min_new_tokens", f"min_new_tokens must be a non-negative integer, got {m!r}")
         if m > self.max_new_tokens:
             raise SamplingParamError(
-                "min_new_tokens",
-                f"min_new_tokens ({m}) must not exceed max_new_tokens ({self.max_new_tokens})",
+                "min_new_tokens", f"min_new_tokens ({m}) must not exceed max_new_tokens ({self.max_new_tokens})"
             )
 
 
@@ -185,10 +181,7 @@ class LogprobParams:
     def invalid_field(self, vocab_size: int, prompt_len: int) -> tuple[str, str] | None:
         """(field, message fit for an HTTP 400) for the first out-of-range value, else None."""
         if self.start != -1 and not 0 <= self.start <= prompt_len:
-            return (
-                "logprob_start_len",
-                f"must be -1 or in [0, {prompt_len}] (the prompt length), got {self.start}",
-            )
+            return "logprob_start_len", f"must be -1 or in [0, {prompt_len}] (the prompt length), got {self.start}"
         if not 0 <= self.top_n <= vocab_size:
             return "top_logprobs_num", f"must be in [0, {vocab_size}], got {self.top_n}"
         for t in self.token_ids:

@@ -106,12 +106,7 @@ def make_parser() -> argparse.ArgumentParser:
     a("--max-queued-requests", type=_positive_int("--max-queued-requests"), default=None)
     a("--max-total-tokens", type=_positive_int("--max-total-tokens"), default=None)
     a("--max-prefill-tokens", type=_positive_int("--max-prefill-tokens"), default=16384)
-    a(
-        "--chunked-prefill-size",
-        type=int,
-        default=None,
-        help="prefill long prompts in chunks of this many tokens",
-    )
+    a("--chunked-prefill-size", type=int, default=None, help="prefill long prompts in chunks of this many tokens")
     a("--mem-fraction-static", type=float, default=None)
     a(
         "--cpu-kv-cache-gb",
@@ -119,11 +114,7 @@ def make_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="KV pool byte budget on CPU when --max-total-tokens is unset",
     )
-    a(
-        "--disable-radix-cache",
-        action="store_true",
-        help="no prefix cache: every request prefills its whole prompt",
-    )
+    a("--disable-radix-cache", action="store_true", help="no prefix cache: every request prefills its whole prompt")
     a("--radix-eviction-policy", choices=("lru", "lfu"), default="lru")
     a("--random-seed", type=int, default=None)
     a("--log-level", choices=("debug", "info", "warning", "error", "critical"), default="info")
@@ -142,16 +133,8 @@ def make_parser() -> argparse.ArgumentParser:
         help="choose the tree shape (or plain decoding) every round from a measured cost model; on by default "
         "for the default server",
     )
-    a(
-        "--speculative-adaptive-config",
-        default=None,
-        help="JSON file: candidates [[S, K, N], ...], hysteresis",
-    )
-    a(
-        "--speculative-adaptive-calibration",
-        default=None,
-        help="cost-table JSON to reuse (written if missing)",
-    )
+    a("--speculative-adaptive-config", default=None, help="JSON file: candidates [[S, K, N], ...], hysteresis")
+    a("--speculative-adaptive-calibration", default=None, help="cost-table JSON to reuse (written if missing)")
     a("--speculative-adaptive-debug-cycle", action="store_true", help=argparse.SUPPRESS)
     return p
 

@@ -59,11 +59,7 @@ def resolve_speculative(args: ServerArgs, architecture: str = "LlamaForCausalLM"
     if args.speculative_algorithm in (None, "NONE"):
         args.speculative_algorithm = None
         args.spec_version = 0
-        flags: tuple[str, ...] = (
-            "speculative_num_steps",
-            "speculative_eagle_topk",
-            "speculative_num_draft_tokens",
-        )
+        flags: tuple[str, ...] = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
         if args.speculative_adaptive or args.speculative_adaptive_debug_cycle:
             flags += ("speculative_adaptive",)
         for flag in flags:

@@ -156,9 +156,7 @@ class Engine:
         sp.validate(self.vocab_size)
         given = sp.grammar
         if given is not None:
-            self.grammar_compiler().compile(
-                *given
-            )  # an invalid constraint is a 400 before anything is queued
+            self.grammar_compiler().compile(*given)  # an invalid constraint is a 400 before anything is queued
         return sp
 
     def grammar_compiler(self) -> GrammarCompiler:
@@ -184,12 +182,7 @@ class Engine:
             )
 
     def _make_req(
-        self,
-        input_ids: list[int],
-        sp: SamplingParams,
-        sink: Sink,
-        rid: str | None,
-        logprob: LogprobParams | None,
+        self, input_ids: list[int], sp: SamplingParams, sink: Sink, rid: str | None, logprob: LogprobParams | None
     ) -> Req:
         self.check_prompt(input_ids, sp)
         bad = logprob.invalid_field(self.vocab_size, len(input_ids)) if logprob is not None else None
@@ -380,8 +373,7 @@ class Engine:
             "attention_backend": a.attention_backend,
             "context_length": self.context_len,
             "max_running_requests": a.max_running_requests,
-            "max_total_num_tokens": self.worker.pools.allocator.num_pages
-            * self.worker.pools.allocator.page_size,
+            "max_total_num_tokens": self.worker.pools.allocator.num_pages * self.worker.pools.allocator.page_size,
             "speculative_algorithm": a.speculative_algorithm,
             "speculative_num_steps": a.speculative_num_steps,
             "speculative_eagle_topk": a.speculative_eagle_topk,

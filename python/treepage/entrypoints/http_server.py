@@ -239,6 +239,8 @@ def _check_model(engine: Engine, name: str | None) -> None:
         raise ApiError(404, f"The model '{name}' does not exist", param="model")
 
 
+
+
 def _rids(base: str, n: int) -> list[str]:
     return [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
 
@@ -321,14 +323,10 @@ class _EngineCollector:
             "treepage:generation_tokens", "Tokens generated.", value=st.gen_tokens_total
         )
         yield CounterMetricFamily(
-            "treepage:cache_hit_tokens",
-            "Admitted positions not prefilled (prefix-cache hits, shared sample prompts).",
-            value=st.cache_hit_tokens,
+            "treepage:cache_hit_tokens", "Admitted positions not prefilled (prefix-cache hits, shared sample prompts).", value=st.cache_hit_tokens
         )
         yield CounterMetricFamily(
-            "treepage:cache_query_tokens",
-            "Positions admitted (the hit rate's denominator).",
-            value=st.cache_query_tokens,
+            "treepage:cache_query_tokens", "Positions admitted (the hit rate's denominator).", value=st.cache_query_tokens
         )
         yield GaugeMetricFamily(
             "treepage:cache_hit_rate",
@@ -363,6 +361,7 @@ class _EngineCollector:
             for batch, t in by_batch.items():
                 cost.add_metric([shape, str(batch)], t)
         yield cost
+
 
 
 # ---- server info -------------------------------------------------------------------------------------------------

@@ -67,11 +67,7 @@ def validation_error_param(exc: ValidationError) -> str | None:
     """The request field the first problem is about (the innermost one on its path), for the 400's "param"."""
     errors = exc.errors(include_url=False)
     names = _request_field_names()
-    return (
-        next((x for x in reversed(errors[0]["loc"]) if isinstance(x, str) and x in names), None)
-        if errors
-        else None
-    )
+    return next((x for x in reversed(errors[0]["loc"]) if isinstance(x, str) and x in names), None) if errors else None
 
 
 def _request_field_names() -> set[str]:
@@ -79,9 +75,7 @@ def _request_field_names() -> set[str]:
     return {name for body in (*bodies, StreamOptions, TextPart) for name in body.model_fields}
 
 
-if (
-    TYPE_CHECKING
-):  # the type checker sees the plain base; at run time each base declares its scope's inert fields
+if TYPE_CHECKING:  # the type checker sees the plain base; at run time each base declares its scope's inert fields
     _InertStreamOptions = _Body
     _InertCompletion = _Body
     _InertChat = _Body
@@ -170,24 +164,14 @@ class _OpenAISampling(_Body):
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         sp: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": self.ignore_eos}
         sp["skip_special_tokens"] = self.skip_special_tokens
-        for key in (
-            "temperature",
-            "top_p",
-            "top_k",
-            "seed",
-            "stop",
-            "stop_token_ids",
-            *_PENALTY_KEYS,
-            *_GRAMMAR_KEYS,
-        ):
+        for key in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", *_PENALTY_KEYS, *_GRAMMAR_KEYS):
             value = getattr(self, key, None)  # json_schema is a completions field only
             if value is not None:
                 sp[key] = value
         if self.min_tokens is not None:
             if not 0 <= self.min_tokens <= max_new_tokens:  # checked here so the 400 names this route's field
                 raise SamplingParamError(
-                    "min_tokens",
-                    f"min_tokens must be in [0, {max_new_tokens}] (max tokens), got {self.min_tokens}",
+                    "min_tokens", f"min_tokens must be in [0, {max_new_tokens}] (max tokens), got {self.min_tokens}"
                 )
             sp["min_new_tokens"] = self.min_tokens
         schema = response_format_schema(self.response_format)

@@ -36,9 +36,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CACHE_LIMIT_BYTES = (
-    512 << 20
-)  # compiled grammars kept by xgrammar (JSON schemas of real APIs are a few MB each)
+CACHE_LIMIT_BYTES = 512 << 20  # compiled grammars kept by xgrammar (JSON schemas of real APIs are a few MB each)
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:line: " error prefix
 
 
@@ -73,9 +71,7 @@ class GrammarCompiler:
 
         self.vocab_size = vocab_size
         self.stop_ids = sorted(set(stop_ids))
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_ids
-        )
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=CACHE_LIMIT_BYTES)
 
     def compile(self, field: str, value: Any) -> xgr.CompiledGrammar:
@@ -94,11 +90,7 @@ class GrammarCompiler:
             if field == "ebnf":
                 return self.compiler.compile_grammar(_need_str(field, value))
             if field == "choice":
-                if (
-                    not isinstance(value, list)
-                    or not value
-                    or not all(isinstance(c, str) and c for c in value)
-                ):
+                if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
                     raise SamplingParamError(field, "choice must be a non-empty list of non-empty strings")
                 return self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in value))
             if field == "structural_tag":
@@ -115,9 +107,7 @@ class GrammarCompiler:
         given = sp.grammar
         if given is None:
             return None
-        return GrammarProcessor(
-            self.compile(*given), sp.stop_token_set(stop_ids, self.vocab_size), self.vocab_size
-        )
+        return GrammarProcessor(self.compile(*given), sp.stop_token_set(stop_ids, self.vocab_size), self.vocab_size)
 
 
 def _need_str(field: str, value: Any) -> str:
@@ -178,9 +168,7 @@ class GrammarProcessor(RequestLogitsProcessor):
             if not ok:
                 # only when another processor masked every token the grammar allows (min_new_tokens past a
                 # complete grammar): the request goes on unconstrained rather than with an all -inf row
-                logger.warning(
-                    "grammar rejected emitted token %d; the rest of the request is unconstrained", t
-                )
+                logger.warning("grammar rejected emitted token %d; the rest of the request is unconstrained", t)
                 self.failed = True
                 return
 

@@ -40,8 +40,8 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
     """(weight, bias) with F.linear(x, weight, bias) == torch.cat([lin(x) for lin in linears], -1).
 
     One larger GEMM instead of several small ones saves a call per projection (on a CPU each call also wakes the
-    thread pool); callers pick the fused or the separate path per input with use_fused and call `linear`. The originals'
-    parameters become views of the fused tensors: memory stays the same, the state_dict keeps the checkpoint's
+    thread pool); callers pick the fused or the separate path per input with use_fused and call `linear`. The
+    originals' parameters become views of the fused tensors: memory stays the same, the state_dict keeps the checkpoint's
     names, and an in-place update of, say, q_proj.weight reaches the fused matmul too. The fused tensors are
     plain attributes of the caller, not parameters.
     """

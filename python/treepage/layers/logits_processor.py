@@ -114,9 +114,7 @@ def constrained(reqs: Sequence[Req]) -> bool:
     return any(c is not None and c.constrains for c in map(chain_of, reqs))
 
 
-def allowed_tokens(
-    reqs: Sequence[Req], paths: Sequence[Sequence[Sequence[int]]], vocab_size: int
-) -> Tensor | None:
+def allowed_tokens(reqs: Sequence[Req], paths: Sequence[Sequence[Sequence[int]]], vocab_size: int) -> Tensor | None:
     """[B * R, V] bool (R rows per request, row paths as in process_logits): the tokens each row may take; None
     when no request forbids any. Draft pruning reads it (speculative/eagle_worker.py)."""
     out: Tensor | None = None

@@ -124,9 +124,7 @@ def split_prefill_logits(
         else:
             spans.append(None)
         base += c
-    entries = (
-        token_logprobs(logits[torch.tensor(rows, device=logits.device)], row_reqs, row_tokens) if rows else []
-    )
+    entries = token_logprobs(logits[torch.tensor(rows, device=logits.device)], row_reqs, row_tokens) if rows else []
     out: list[tuple[int, list[TokenLogprob]] | None] = []
     for r, span in zip(reqs, spans):
         if span is None:

@@ -141,9 +141,7 @@ def build_chain(
     processors: list[RequestLogitsProcessor] = []
     if sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0:
         processors.append(
-            OutputPenalties(
-                vocab_size, device, sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty
-            )
+            OutputPenalties(vocab_size, device, sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty)
         )
     if sp.logit_bias:
         processors.append(LogitBias(sp.logit_bias, device))

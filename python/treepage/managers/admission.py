@@ -123,12 +123,7 @@ class Admission:
         donor are admitted together, one prefill for all of them."""
         assert req.group is not None
         for other in req.group.members:
-            if (
-                other is not req
-                and other not in admitted
-                and other.row >= 0
-                and other.kv_committed_len >= upto
-            ):
+            if other is not req and other not in admitted and other.row >= 0 and other.kv_committed_len >= upto:
                 return other
         return None
 

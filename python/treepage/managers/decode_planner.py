@@ -68,9 +68,7 @@ class DecodePlanner:
         for r in reqs:
             nxt = next_alloc_target(r.allocated_len, r.kv_committed_len, self.reserve, self.page_size)
             try:
-                check_row_width(
-                    [nxt], self.pools.req_to_token_pool.row_width, self.page_size, *self.spec_desc
-                )
+                check_row_width([nxt], self.pools.req_to_token_pool.row_width, self.page_size, *self.spec_desc)
             except RowWidthError as err:
                 bad.append((r, str(err)))
         return bad
@@ -112,7 +110,7 @@ class DecodePlanner:
                 ids = r.all_ids()
                 n = self.cache.cacheable_len(ids, r.kv_committed_len)
                 if n > start:
-                    pages = (pool.req_to_token[r.row, : n : self.page_size] // self.page_size).tolist()
+                    pages = (pool.req_to_token[r.row, :n : self.page_size] // self.page_size).tolist()
                     self.cache.insert(self.cache.key_of(ids)[:n], pages)
                     start = n
             free_row(pool, self.pools.allocator, r.row, start, r.allocated_len)

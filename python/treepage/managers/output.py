@@ -38,9 +38,7 @@ class OutputProcessor:
         if out.input_logprobs:
             self._take_input_logprobs(r, out.input_logprobs_start, out.input_logprobs)
         sp = r.sampling
-        if (
-            sp.max_new_tokens == 0 and out.tokens
-        ):  # a prompt-scoring request: its prefill's token is not output
+        if sp.max_new_tokens == 0 and out.tokens:  # a prompt-scoring request: its prefill's token is not output
             r.finished = FinishReason("length", matched=0)
             return
         if r.first_token_time is None and out.tokens:

@@ -46,9 +46,7 @@ class SchedulerStats:
     prompt_tokens_total: int = 0
     gen_throughput: float = 0.0  # tokens/s over the last window
     num_retracted: int = 0
-    cache_hit_tokens: int = (
-        0  # admitted positions not prefilled (prefix cache, a sample group's shared prompt)
-    )
+    cache_hit_tokens: int = 0  # admitted positions not prefilled (prefix cache, a sample group's shared prompt)
     cache_query_tokens: int = 0  # positions admitted (the hit rate's denominator)
     cache_evicted_pages: int = 0
 
@@ -71,12 +69,7 @@ class Scheduler:
             pair_keys=args.speculation,
         )
         self.admission = Admission(
-            pools,
-            reserve,
-            args.page_size,
-            args.max_prefill_tokens,
-            args.chunked_prefill_size or -1,
-            self.cache,
+            pools, reserve, args.page_size, args.max_prefill_tokens, args.chunked_prefill_size or -1, self.cache
         )
         self.planner = DecodePlanner(pools, reserve, args.page_size, spec_desc, self.cache)
         self.output = OutputProcessor(tokenizer, set(eos_ids), pools.context_len, self._count_tokens)
@@ -237,9 +230,7 @@ class Scheduler:
             self.stats.prompt_tokens_total += len(r.input_ids)
             self.running.append(r)
             self.output.append(r, out)
-            if r.group is not None and any(
-                m.row < 0 and not m.output_ids and m.finished is None for m in r.group.members
-            ):
+            if r.group is not None and any(m.row < 0 and not m.output_ids and m.finished is None for m in r.group.members):
                 self.planner.cache_prefix(r, shared=True)  # the samples still waiting share this prompt
         self._chunk_ran_last = self.admission.chunked(max(r.seq_len for r in reqs))
         self._reap()
@@ -275,9 +266,7 @@ class Scheduler:
 
     def _retract(self, victim: Req) -> None:
         if len(self._resident()) == 1:
-            self._remove(
-                [victim], FinishReason("abort", message="out of KV memory: raise --max-total-tokens")
-            )
+            self._remove([victim], FinishReason("abort", message="out of KV memory: raise --max-total-tokens"))
             return
         self.worker.release([victim.rid])
         if victim is self.prefilling:

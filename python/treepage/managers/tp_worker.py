@@ -19,9 +19,7 @@ class TpWorker(Worker):
         starts = [r.kv_committed_len for r in reqs]
         ids = [r.all_ids()[a:e] for r, a, e in zip(reqs, starts, ends)]
         firsts = logprobs.prefill_logit_starts(reqs, starts, ends)
-        out = self.runner.forward(
-            self.runner.extend_batch([r.row for r in reqs], ids, starts, logit_starts=firsts)
-        )
+        out = self.runner.forward(self.runner.extend_batch([r.row for r in reqs], ids, starts, logit_starts=firsts))
         assert out.logits is not None
         last, prompt_lps = logprobs.split_prefill_logits(out.logits, reqs, ends, firsts)
         logits_processor.sync(reqs)
@@ -32,10 +30,7 @@ class TpWorker(Worker):
     def decode(self, reqs: list[Req]) -> list[StepOutput]:
         lens = [r.seq_len for r in reqs]
         fb = self.runner.extend_batch(
-            [r.row for r in reqs],
-            [[r.output_ids[-1]] for r in reqs],
-            [n - 1 for n in lens],
-            ForwardMode.DECODE,
+            [r.row for r in reqs], [[r.output_ids[-1]] for r in reqs], [n - 1 for n in lens], ForwardMode.DECODE
         )
         out = self.runner.forward(fb)
         assert out.logits is not None
@@ -48,3 +43,4 @@ class TpWorker(Worker):
 
     def drain(self) -> None:
         """Steps are synchronous."""
+

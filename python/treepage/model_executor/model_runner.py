@@ -77,9 +77,7 @@ class ModelRunner:
         config: ModelConfig | None = None,
         draft_bytes_per_token: int = 0,
     ) -> None:
-        assert args.page_size and args.attention_backend and args.max_running_requests, (
-            "resolve_server_args first"
-        )
+        assert args.page_size and args.attention_backend and args.max_running_requests, "resolve_server_args first"
         self.args = args
         self.device = torch.device(args.device)
         self.dtype = dtype
@@ -96,9 +94,7 @@ class ModelRunner:
             _init_dummy_weights(self.model)
         else:
             state = load_state_dict(model_path, dtype=torch.float32, device="cpu", progress=True)
-            if not isinstance(
-                self.model, LlamaForCausalLM
-            ):  # heads map their released tensor names themselves
+            if not isinstance(self.model, LlamaForCausalLM):  # heads map their released tensor names themselves
                 self.model.load_weights(state)
             else:
                 load_weights_into(self.model, state, strict=True)

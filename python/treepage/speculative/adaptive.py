@@ -52,9 +52,7 @@ OFF = TreeShape(0, 1, 1)
 # One draft token: a sub-tree of every speculative round (the root's most likely child), so every greedy round
 # says what it would have emitted. Its excess over one token is the policy's measure of the traffic.
 ONE_DRAFT = TreeShape(1, 1, 2)
-RATIO_EMA = (
-    0.02  # weight of one round in a shape's excess ratio (a property of the shape more than of the text)
-)
+RATIO_EMA = 0.02  # weight of one round in a shape's excess ratio (a property of the shape more than of the text)
 TIME_PRIOR_ROUNDS = 2.0  # seconds calibrated at this very batch size count as this many served rounds
 DERIVED_PRIOR_ROUNDS = 0.5  # an estimate derived from other batch sizes (interpolated, extrapolated, carried)
 MIN_PRIOR_EXCESS = 0.05  # a prior this close to one token says nothing about how predictable the traffic is
@@ -125,9 +123,7 @@ class AdaptiveConfig:
     include_off: bool = True
     hysteresis: float = 0.05  # switch only when the best shape beats the current one by this fraction
     ema: float = 0.1  # weight of one round in the traffic's estimate (the one-draft excess)
-    prior_rounds: float = (
-        4.0  # the calibration prior counts as this many rounds before the averages take over
-    )
+    prior_rounds: float = 4.0  # the calibration prior counts as this many rounds before the averages take over
     probe_every: int = 32  # rounds between probes of the best other candidate (refreshes its estimates)
     explore_rounds: int = 4  # at start-up each candidate serves this many rounds, so served times exist
     # a candidate never served near the current batch size is probed once there when its estimate is at least
@@ -312,9 +308,7 @@ class AdaptivePolicy:
         # rho = num / den: averages of the shape's excess and of the one-draft excess over the same rounds
         self.ratio_num = dict(excess)
         self.ratio_den = dict.fromkeys(spec, hit0)
-        self.ratio_mass = dict.fromkeys(
-            spec, k
-        )  # total weight behind num and den (the prior's, then rounds')
+        self.ratio_mass = dict.fromkeys(spec, k)  # total weight behind num and den (the prior's, then rounds')
         self.accept: dict[TreeShape, float] = {c: 1.0 for c in self.candidates}  # the E[accept] ranked by
         self._refresh_accept()
         self.rounds: Counter[str] = Counter()
@@ -354,9 +348,7 @@ class AdaptivePolicy:
 
     def _served_near(self, shape: TreeShape, batch: int, rounds: int = 1) -> bool:
         """At least `rounds` rounds of this shape were served at batch sizes within a factor 1.5 of `batch`."""
-        near = sum(
-            n for (s, b), n in self.served.items() if s == shape and max(b, batch) <= 1.5 * min(b, batch)
-        )
+        near = sum(n for (s, b), n in self.served.items() if s == shape and max(b, batch) <= 1.5 * min(b, batch))
         return near >= rounds
 
     def _unmeasured_rival(self, chosen: TreeShape, batch: int) -> TreeShape | None:

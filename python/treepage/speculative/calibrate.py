@@ -47,9 +47,7 @@ TIMED_ROUNDS = 2  # per (batch, shape); the fastest is kept (the least disturbed
 # only: later sizes run warm code, and a first round slowed by a new tensor shape is one of two, not the minimum.
 ACCEPT_PASSES = 8  # rounds of every shape in the accept measurement (one row per calibration prompt)
 MIN_ACCEPT_PASSES = 2  # the accept measurement stops at its share of the budget, but not before this many
-ACCEPT_BUDGET_SHARE = (
-    0.25  # of the budget; the rest times rounds (priors are corrected online, times less so)
-)
+ACCEPT_BUDGET_SHARE = 0.25  # of the budget; the rest times rounds (priors are corrected online, times less so)
 CPU_BUDGET_S = 20.0
 CUDA_BUDGET_S = 10.0
 
@@ -69,9 +67,8 @@ def device_name(device: torch.device) -> str:
 
 def table_key(worker: EagleWorker, args: ServerArgs, dtype: torch.dtype) -> dict[str, str]:
     shapes = ",".join(s.label for s in worker.shapes)
-    extra = (
-        f"v{CALIBRATION_VERSION} {args.speculative_algorithm} page={args.page_size} v{args.spec_version} "
-        + (f"backend={args.attention_backend} shapes={shapes}")
+    extra = f"v{CALIBRATION_VERSION} {args.speculative_algorithm} page={args.page_size} v{args.spec_version} " + (
+        f"backend={args.attention_backend} shapes={shapes}"
     )
     return cache_key(
         args.model_path or "",
@@ -175,9 +172,7 @@ def _measure_accept(
     MIN_ACCEPT_PASSES have run: on a slow machine the timings matter more than a precise prior."""
     spec = [s for s in shapes if not s.is_off]
     served = maximal_shapes(spec)
-    passes = (
-        ACCEPT_PASSES * len(spec) // len(served)
-    )  # as many rounds as serving every shape ACCEPT_PASSES times
+    passes = ACCEPT_PASSES * len(spec) // len(served)  # as many rounds as serving every shape ACCEPT_PASSES times
     growth = passes * sum(s.steps + 1 for s in served)
     accepts: dict[str, list[float]] = {s.label: [] for s in [*spec, ONE_DRAFT]}
     with borrowed_batch(worker, prompts, len(prompts), growth) as reqs:

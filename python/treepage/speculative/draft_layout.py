@@ -133,9 +133,7 @@ def branch_page_table(
     return pages.reshape(B * K, -1), lens.reshape(B * K)
 
 
-def cascade_plan(
-    req_to_token: torch.Tensor, rows: torch.Tensor, layout: DraftLayout, step: int
-) -> CascadePlan:
+def cascade_plan(req_to_token: torch.Tensor, rows: torch.Tensor, layout: DraftLayout, step: int) -> CascadePlan:
     """The attention read plan of draft step `step`: shared prefix pages once per request, then each branch's."""
     shared_pt, shared_lens = shared_prefix_page_table(req_to_token, rows, layout)
     branch_pt, branch_lens = branch_page_table(req_to_token, rows, layout, step)

@@ -148,9 +148,7 @@ class EagleWorker(Worker):
         self.policy: ShapePolicy | None = None
         if args.speculative_adaptive:
             path = args.speculative_adaptive_config  # its candidates were resolved into self.shapes
-            self.adaptive_config = (
-                AdaptiveConfig.load(path, self.shape) if path else AdaptiveConfig(self.shapes)
-            )
+            self.adaptive_config = AdaptiveConfig.load(path, self.shape) if path else AdaptiveConfig(self.shapes)
             self.adaptive_config.candidates = self.shapes
             if args.speculative_adaptive_debug_cycle:
                 self.policy = CyclePolicy(self.shapes)
@@ -218,10 +216,7 @@ class EagleWorker(Worker):
         logits_processor.sync(reqs)
         first, lps = sample_last(last, reqs, ends)
         logits_processor.commit(reqs, [[t] if t is not None else [] for t in first])
-        nxt = [
-            (x + ([t] if t is not None else []))[a + 1 : e + 1]
-            for x, t, a, e in zip(ids, first, starts, ends)
-        ]
+        nxt = [(x + ([t] if t is not None else []))[a + 1 : e + 1] for x, t, a, e in zip(ids, first, starts, ends)]
         self._draft_extend(reqs, nxt, starts, out.features)
         return [logprobs.prefill_output(t, e, lp, p) for t, e, lp, p in zip(first, ends, lps, prompt_lps)]
 
@@ -253,9 +248,7 @@ class EagleWorker(Worker):
         out = self.draft.forward(fb)
         assert out.logits is not None and fb.logits_indices is not None
         logits = out.logits
-        if self.prune_drafts and logits_processor.constrained(
-            reqs
-        ):  # the next tree's step 0 follows the history
+        if self.prune_drafts and logits_processor.constrained(reqs):  # the next tree's step 0 follows the history
             logits = self._prune(logits, reqs, [[[]] for _ in reqs])
         p, idx = self._draft_topk(logits, self.K_max)
         last = out.hidden[fb.logits_indices]
@@ -414,9 +407,7 @@ class EagleWorker(Worker):
         predict = res.predict
         tokens = [predict[b, : a_cpu[b]].tolist() for b in range(B)]
         feats = features[res.accept_index[valid]] if features is not None else None
-        logits_processor.commit(
-            reqs, tokens
-        )  # first: the draft extend prunes the next tree by the new history
+        logits_processor.commit(reqs, tokens)  # first: the draft extend prunes the next tree by the new history
         self._draft_extend(reqs, tokens, L_cpu, feats)
         self.debug.record(a_cpu, first_branch_of(tree, res.accepted_nodes).tolist())
         alt = self._subtree_accepts(reqs, tree, res.accepted_nodes, shape, a_cpu)
