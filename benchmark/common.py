@@ -221,6 +221,7 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]
 
 def machine_line(info: dict[str, Any]) -> str:
     bf16 = "AVX512-BF16" if info.get("avx512_bf16") else "no AVX512-BF16"
+    bf16 += ", AMX" if info.get("amx_bf16") else ", no AMX"
     return (
         f"{info['date']}; {info['nproc']} CPUs ({info['cpu_model']}, {bf16}), torch {info['torch']} "
         f"({info['torch_threads']} threads, OMP_WAIT_POLICY={info.get('omp_wait_policy')}), transformers "

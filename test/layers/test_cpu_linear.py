@@ -24,9 +24,14 @@ def cpu_flags() -> set[str]:
         return set()
 
 
-HAS_NATIVE_BF16 = platform.machine() in ("x86_64", "AMD64") and {"avx512_bf16", "avx512bw"} <= cpu_flags()
+X86 = platform.machine() in ("x86_64", "AMD64")
+HAS_NATIVE_BF16 = X86 and {"avx512_bf16", "avx512bw"} <= cpu_flags()
+HAS_AMX = HAS_NATIVE_BF16 and {"amx_bf16", "amx_tile"} <= cpu_flags()
 needs_native = pytest.mark.skipif(
     not HAS_NATIVE_BF16 or cpu_build._compiler() is None, reason="the kernel computes only with AVX512-BF16"
+)
+needs_amx = pytest.mark.skipif(
+    not HAS_AMX or cpu_build._compiler() is None, reason="the kernel's AMX path needs AMX-BF16"
 )
 
 
@@ -34,9 +39,14 @@ def test_the_kernel_computes_exactly_where_the_cpu_has_avx512_bf16():
     if cpu_build._compiler() is None:
         assert cpu_linear.load() is None
     else:  # built for this CPU: a stub without the instructions, so torch's matmul keeps every shape there
-        assert (cpu_linear.load() is not None) == HAS_NATIVE_BF16
+        kernel = cpu_linear.load()
+        assert (kernel is not None) == HAS_NATIVE_BF16
+        assert kernel is None or kernel.amx == HAS_AMX
     x, w = torch.randn(1, 8, dtype=BF16), torch.randn(4, 8, dtype=BF16)
     assert cpu_linear.serves(x, w, None) == HAS_NATIVE_BF16
+    tiled = torch.randn(32, 64, dtype=BF16)  # a shape the AMX path takes: more rows served there
+    expect = cpu_linear.AMX_MAX_ROWS if HAS_AMX else cpu_linear.DPBF16_MAX_ROWS if HAS_NATIVE_BF16 else 0
+    assert cpu_linear.max_rows(tiled) == expect
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,6 +91,33 @@ def test_kernel_rounds_once_to_nearest_even():
         assert y.item() == expect
 
 
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("N,K", [(16, 32), (48, 64), (960, 576), (576, 1536), (4096, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_path_matches_the_exact_product(rows, N, K, bias):
+    torch.manual_seed(rows * 7 + N + K)
+    x, w = torch.randn(rows, K, dtype=BF16), torch.randn(N, K, dtype=BF16)
+    b = torch.randn(N, dtype=BF16) if bias else None
+    assert cpu_linear.serves(x, w, b)
+    exact, tol = reference(x, w, b)
+    assert ((cpu_linear.linear_bf16(x, w, b).double() - exact).abs() <= tol).all()
+
+
+@needs_amx
+def test_amx_path_leaves_torch_matmuls_correct():
+    """The kernel loads its own tile configuration and releases the tiles: torch's bf16 matmuls (oneDNN, on
+    AMX as well) in the same threads, before and after, keep their results."""
+    torch.manual_seed(3)
+    x_big, w_big = torch.randn(64, 576, dtype=BF16), torch.randn(960, 576, dtype=BF16)
+    x_few = torch.randn(4, 576, dtype=BF16)
+    exact_big, tol_big = reference(x_big, w_big, None)
+    exact_few, tol_few = reference(x_few, w_big, None)
+    for _ in range(3):
+        assert ((F.linear(x_big, w_big).double() - exact_big).abs() <= tol_big).all()
+        assert ((cpu_linear.linear_bf16(x_few, w_big, None).double() - exact_few).abs() <= tol_few).all()
+
+
 @needs_native
 def test_batched_leading_dims_and_a_non_contiguous_input():
     torch.manual_seed(1)
@@ -99,7 +136,7 @@ def test_other_inputs_stay_on_torch(monkeypatch):
     w = torch.randn(6, 16, dtype=BF16)
     cases = [
         (torch.randn(1, 16), w.float()),
-        (torch.randn(cpu_linear.MAX_ROWS + 1, 16, dtype=BF16), w),
+        (torch.randn(cpu_linear.max_rows(w) + 1, 16, dtype=BF16), w),
         (torch.randn(1, 16, dtype=BF16), torch.randn(16, 6, dtype=BF16).T),
         (torch.randn(1, 16, dtype=BF16, requires_grad=True), w),
     ]
@@ -172,7 +209,7 @@ def test_bf16_decode_runs_on_the_kernel_and_stays_as_close_to_fp32(smollm2_gguf_
         assert len(calls) >= len(PROMPTS) * (n - 1) * (
             30 * 4 + 1
         )  # every projection and head of every decode
-        monkeypatch.setattr(cpu_linear, "MAX_ROWS", 0)
+        monkeypatch.setattr(cpu_linear, "max_rows", lambda weight: 0)
         calls.clear()
         on_torch = greedy(bf16, n)
         assert not calls

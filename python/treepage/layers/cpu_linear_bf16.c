@@ -3,13 +3,21 @@
  * Why: a decode step, a draft step or a small verify multiplies a handful of rows by every weight matrix, so it
  * should run at the speed weights stream from memory. torch's bf16 matmul for such shapes runs well below that
  * (docs/benchmarks_context.md: at one row no faster than fp32, which reads twice the bytes). Here each weight
- * row is read from memory once per call and dotted with every input row while it sits in L1.
+ * row is read from memory once per call and used for every input row while it is in registers or L1.
  *
- * Accumulation is fp32, the result is rounded to bf16 once (round to nearest even), as torch's bf16 matmul
- * does; only the order of the fp32 sums differs. Work is split over groups of NR output columns; the dot products
- * use AVX512-BF16's VDPBF16PS (32 bf16 pairs per instruction). Compiled at first use by cpu_build.py.
+ * Two paths, both accumulating in fp32 and rounding to bf16 once (round to nearest even), as torch's bf16 matmul
+ * does; only the order of the fp32 sums differs:
+ *  - AMX (AMX-BF16 CPUs; N % 16 == 0, K % 32 == 0, M <= 16): TDPBF16PS on tiles of 16 weight rows x 32 K,
+ *    loaded in place, against the input packed in K pairs (linear_amx);
+ *  - otherwise AVX512-BF16's VDPBF16PS, 32 bf16 pairs per instruction, on register tiles of NR weight rows x MR
+ *    input rows (column_group).
+ * Work is split over output columns. Compiled at first use by cpu_build.py; cpu_linear.py picks the row counts
+ * each path serves.
  */
+#define _GNU_SOURCE /* syscall(), for the AMX permission */
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define HAVE_DPBF16 1
@@ -25,6 +33,9 @@ int linear_bf16_native(void) { return HAVE_DPBF16; }
 
 #define NR 4 /* output columns (weight rows) per register tile */
 #define MR 4 /* input rows per register tile */
+/* Weights (N * K) below which a call runs on one thread: waking the pool's other thread (OMP_WAIT_POLICY=PASSIVE,
+ * as the server runs) costs more than it saves on a small matrix (benchmarks_context.md). */
+#define PARALLEL_MIN_WEIGHTS (1 << 20)
 
 static inline float bf16_to_f32(uint16_t x) {
     union {
@@ -99,10 +110,103 @@ static void column_group(const uint16_t *x, const uint16_t *w, const uint16_t *b
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_MAX_ROWS 16 /* input rows: the columns of one C tile */
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Linux hands out the AMX register state only on request, once per process. */
+static int amx_permitted(void) {
+    static int permitted = -1;
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return permitted;
+}
+
+/* With AMX the weights are tile A as they lie (16 weight rows x 32 K, row stride K), the input rows are tile B
+ * (x packed in K pairs: xp[kp][m][2]), and C[n][m] accumulates in fp32: y^T for 16 output columns, two blocks
+ * of 16 per pass over the packed input. Needs N % 16 == 0, K % 32 == 0 and M <= 16. */
+static void linear_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M,
+                       int64_t N, int64_t K, int nthreads, uint16_t *xp) {
+    for (int64_t kp = 0; kp < K / 2; kp++)
+        for (int64_t m = 0; m < M; m++) {
+            xp[(kp * M + m) * 2] = x[m * K + 2 * kp];
+            xp[(kp * M + m) * 2 + 1] = x[m * K + 2 * kp + 1];
+        }
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 5; t++) cfg.rows[t] = 16;
+    cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[4] = (uint16_t)(M * 4); /* C: M fp32; B: M bf16 pairs */
+    cfg.colsb[2] = cfg.colsb[3] = 64;                                /* A: 32 bf16 of K */
+    int64_t blocks = N / 16, pairs = (blocks + 1) / 2;
+#pragma omp parallel num_threads(nthreads) if (N * K >= PARALLEL_MIN_WEIGHTS && nthreads > 1)
+    {
+        _tile_loadconfig(&cfg);
+        float c[2][16][AMX_MAX_ROWS];
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) {
+            int64_t n0 = p * 32;
+            int two = n0 + 16 < N;
+            const uint16_t *w0 = w + n0 * K, *w1 = w0 + 16 * K;
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t k = 0; k < K; k += 32) {
+                _tile_loadd(4, xp + k * M, M * 4);
+                _tile_loadd(2, w0 + k, K * 2);
+                _tile_dpbf16ps(0, 2, 4);
+                if (two) {
+                    _tile_loadd(3, w1 + k, K * 2);
+                    _tile_dpbf16ps(1, 3, 4);
+                }
+            }
+            _tile_stored(0, c[0], AMX_MAX_ROWS * 4);
+            if (two) _tile_stored(1, c[1], AMX_MAX_ROWS * 4);
+            for (int b = 0; b <= two; b++)
+                for (int i = 0; i < 16; i++) {
+                    int64_t n = n0 + b * 16 + i;
+                    float add = bias ? bf16_to_f32(bias[n]) : 0.0f;
+                    for (int64_t m = 0; m < M; m++) y[m * N + n] = f32_to_bf16(c[b][i][m] + add);
+                }
+        }
+        _tile_release();
+    }
+}
+#else
+#define HAVE_AMX 0
+#endif
+
+/* Whether linear_bf16 runs on AMX tiles for shapes linear_amx accepts (cpu_linear.py sets its row limits by it). */
+int linear_bf16_amx(void) {
+#if HAVE_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
 void linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
                  int64_t K, int nthreads) {
+#if HAVE_AMX
+    if (M > 0 && M <= AMX_MAX_ROWS && N % 16 == 0 && K % 32 == 0 && amx_permitted()) {
+        uint16_t *xp = malloc((size_t)(M * K) * sizeof *xp);
+        if (xp) {
+            linear_amx(x, w, bias, y, M, N, K, nthreads, xp);
+            free(xp);
+            return;
+        }
+    }
+#endif
     int64_t groups = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (groups >= 64 && nthreads > 1)
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K >= PARALLEL_MIN_WEIGHTS && nthreads > 1)
     for (int64_t g = 0; g < groups; g++) {
         int64_t n0 = g * NR;
         int nr = N - n0 >= NR ? NR : (int)(N - n0);
