@@ -16,10 +16,10 @@ from treepage.layers.cpu_build import load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_linear_bf16.c")
 # Rows up to which the kernel beats torch's bf16 matmul over a whole forward's weights (benchmark/bench_linear.py,
-# docs/benchmarks_context.md): its VDPBF16PS path at 1-2 rows; its AMX path (N % 16 == 0, K % 32 == 0) up to
-# the 16 columns of one accumulator tile.
+# docs/benchmarks_context.md): its VDPBF16PS path at 1-2 rows; its AMX path (N % 16 == 0, K % 32 == 0) up to 24
+# rows (1.2x at 24; at 32, the most its two input tiles hold, it is even with torch).
 DPBF16_MAX_ROWS = 2
-AMX_MAX_ROWS = 16
+AMX_MAX_ROWS = 24
 
 
 @dataclass(frozen=True)

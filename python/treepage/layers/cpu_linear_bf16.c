@@ -7,7 +7,7 @@
  *
  * Two paths, both accumulating in fp32 and rounding to bf16 once (round to nearest even), as torch's bf16 matmul
  * does; only the order of the fp32 sums differs:
- *  - AMX (AMX-BF16 CPUs; N % 16 == 0, K % 32 == 0, M <= 16): TDPBF16PS on tiles of 16 weight rows x 32 K,
+ *  - AMX (AMX-BF16 CPUs; N % 16 == 0, K % 32 == 0, M <= 32): TDPBF16PS on tiles of 16 weight rows x 32 K,
  *    loaded in place, against the input packed in K pairs (linear_amx);
  *  - otherwise AVX512-BF16's VDPBF16PS, 32 bf16 pairs per instruction, on register tiles of NR weight rows x MR
  *    input rows (column_group).
@@ -116,7 +116,7 @@ static void column_group(const uint16_t *x, const uint16_t *w, const uint16_t *b
 #define HAVE_AMX 1
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-#define AMX_MAX_ROWS 16 /* input rows: the columns of one C tile */
+#define AMX_MAX_ROWS 32 /* input rows: two B tiles of 16 */
 
 typedef struct {
     uint8_t palette_id, start_row, reserved[14];
@@ -131,50 +131,75 @@ static int amx_permitted(void) {
     return permitted;
 }
 
+/* x rows [m0, m0 + mh) packed in K pairs, tile B's layout: xp[kp][m - m0][2] (row stride mh * 4 bytes). */
+static void pack_pairs(const uint16_t *x, int64_t K, int64_t m0, int64_t mh, uint16_t *xp) {
+    for (int64_t kp = 0; kp < K / 2; kp++)
+        for (int64_t m = 0; m < mh; m++) {
+            xp[(kp * mh + m) * 2] = x[(m0 + m) * K + 2 * kp];
+            xp[(kp * mh + m) * 2 + 1] = x[(m0 + m) * K + 2 * kp + 1];
+        }
+}
+
 /* With AMX the weights are tile A as they lie (16 weight rows x 32 K, row stride K), the input rows are tile B
- * (x packed in K pairs: xp[kp][m][2]), and C[n][m] accumulates in fp32: y^T for 16 output columns, two blocks
- * of 16 per pass over the packed input. Needs N % 16 == 0, K % 32 == 0 and M <= 16. */
+ * (packed in K pairs, at most 16 rows per tile: two halves), and C[n][m] accumulates in fp32, y^T of 16 output
+ * columns. A pass over K serves two blocks of 16 columns x both halves: tiles 0-3 C, 4-5 A, 6-7 B. Needs
+ * N % 16 == 0, K % 32 == 0 and M <= 2 * 16. */
 static void linear_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M,
                        int64_t N, int64_t K, int nthreads, uint16_t *xp) {
-    for (int64_t kp = 0; kp < K / 2; kp++)
-        for (int64_t m = 0; m < M; m++) {
-            xp[(kp * M + m) * 2] = x[m * K + 2 * kp];
-            xp[(kp * M + m) * 2 + 1] = x[m * K + 2 * kp + 1];
-        }
+    const int64_t M0 = M < 16 ? M : 16, M1 = M - M0;
+    uint16_t *xp0 = xp, *xp1 = xp + M0 * K;
+    pack_pairs(x, K, 0, M0, xp0);
+    pack_pairs(x, K, M0, M1, xp1);
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
-    for (int t = 0; t < 5; t++) cfg.rows[t] = 16;
-    cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[4] = (uint16_t)(M * 4); /* C: M fp32; B: M bf16 pairs */
-    cfg.colsb[2] = cfg.colsb[3] = 64;                                /* A: 32 bf16 of K */
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16;
+    cfg.colsb[0] = cfg.colsb[2] = cfg.colsb[6] = (uint16_t)(M0 * 4); /* C: fp32 per row; B: a bf16 pair per row */
+    cfg.colsb[1] = cfg.colsb[3] = cfg.colsb[7] = (uint16_t)(M1 * 4);
+    cfg.colsb[4] = cfg.colsb[5] = 64; /* A: 32 bf16 of K */
+    if (!M1) cfg.rows[1] = cfg.rows[3] = cfg.rows[7] = 0;
     int64_t blocks = N / 16, pairs = (blocks + 1) / 2;
 #pragma omp parallel num_threads(nthreads) if (N * K >= PARALLEL_MIN_WEIGHTS && nthreads > 1)
     {
         _tile_loadconfig(&cfg);
-        float c[2][16][AMX_MAX_ROWS];
+        float c[2][2][16][16]; /* [column block][half][column][row] */
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++) {
             int64_t n0 = p * 32;
             int two = n0 + 16 < N;
             const uint16_t *w0 = w + n0 * K, *w1 = w0 + 16 * K;
             _tile_zero(0);
-            _tile_zero(1);
+            _tile_zero(2);
+            if (M1) {
+                _tile_zero(1);
+                _tile_zero(3);
+            }
             for (int64_t k = 0; k < K; k += 32) {
-                _tile_loadd(4, xp + k * M, M * 4);
-                _tile_loadd(2, w0 + k, K * 2);
-                _tile_dpbf16ps(0, 2, 4);
+                _tile_loadd(6, xp0 + k * M0, M0 * 4);
+                _tile_loadd(4, w0 + k, K * 2);
+                _tile_dpbf16ps(0, 4, 6);
+                if (M1) {
+                    _tile_loadd(7, xp1 + k * M1, M1 * 4);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
                 if (two) {
-                    _tile_loadd(3, w1 + k, K * 2);
-                    _tile_dpbf16ps(1, 3, 4);
+                    _tile_loadd(5, w1 + k, K * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (M1) _tile_dpbf16ps(3, 5, 7);
                 }
             }
-            _tile_stored(0, c[0], AMX_MAX_ROWS * 4);
-            if (two) _tile_stored(1, c[1], AMX_MAX_ROWS * 4);
+            _tile_stored(0, c[0][0], 64);
+            if (M1) _tile_stored(1, c[0][1], 64);
+            if (two) {
+                _tile_stored(2, c[1][0], 64);
+                if (M1) _tile_stored(3, c[1][1], 64);
+            }
             for (int b = 0; b <= two; b++)
                 for (int i = 0; i < 16; i++) {
                     int64_t n = n0 + b * 16 + i;
                     float add = bias ? bf16_to_f32(bias[n]) : 0.0f;
-                    for (int64_t m = 0; m < M; m++) y[m * N + n] = f32_to_bf16(c[b][i][m] + add);
+                    for (int64_t m = 0; m < M; m++)
+                        y[m * N + n] = f32_to_bf16(c[b][m >= 16][i][m & 15] + add);
                 }
         }
         _tile_release();

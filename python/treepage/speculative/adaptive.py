@@ -124,7 +124,7 @@ class AdaptiveConfig:
     hysteresis: float = 0.05  # switch only when the best shape beats the current one by this fraction
     ema: float = 0.1  # weight of one round in the traffic's estimate (the one-draft excess)
     prior_rounds: float = 4.0  # the calibration prior counts as this many rounds before the averages take over
-    probe_every: int = 32  # rounds between probes of the best other candidate (refreshes its estimates)
+    probe_every: int = 32  # rounds between probes of another candidate (refreshes its estimates)
     explore_rounds: int = 4  # at start-up each candidate serves this many rounds, so served times exist
     # a candidate never served near the current batch size is probed once there when its estimate is at least
     # this fraction of the chosen shape's (a new load level is measured in its first rounds, not 32 later)
@@ -285,9 +285,11 @@ class AdaptivePolicy:
     learnt the same way at any batch size: a calibration disturbed by other processes, or serving conditions
     it did not see (the overlap thread next to the scheduler, longer contexts), is corrected within a few
     rounds. A shape that is never chosen would keep stale estimates forever (and OFF would never learn that the
-    traffic became predictable), so every `probe_every` rounds the best other candidate (OFF included) runs
-    once; before any choice, each candidate serves `explore_rounds` rounds, so every shape's per-shape scale
-    starts from served rounds. When the load changes and the new level lasts (SETTLE_ROUNDS), the batch size
+    traffic became predictable), so every `probe_every` rounds another candidate (OFF included) runs once: in
+    turn the best other one, and the one served longest ago among the rest (ranked below the runner-up, a shape
+    whose estimate came out low, say from its few start-up rounds, would otherwise never be measured again).
+    Before any choice, each candidate serves `explore_rounds` rounds, so every shape's per-shape scale starts
+    from served rounds. When the load changes and the new level lasts (SETTLE_ROUNDS), the batch size
     is one no round has been served at: there, a candidate whose estimate comes close to the chosen shape's
     (`probe_margin`) and that was never served near this size runs twice, so the decision at the new load rests
     on what rounds cost at that load; the sizes a ramp of arrivals or departures passes through are not probed.
@@ -319,6 +321,9 @@ class AdaptivePolicy:
         self.served: Counter[tuple[TreeShape, int]] = Counter()
         self.current: TreeShape = self.candidates[0]
         self._since_probe = 0
+        self._probes = 0
+        self._round = 0
+        self.last_served: dict[TreeShape, int] = dict.fromkeys(self.candidates, -1)  # the round it last ran
         self._level = 0  # the batch size of the current load level, and the rounds served at it in a row
         self._level_rounds = 0
 
@@ -380,9 +385,7 @@ class AdaptivePolicy:
     def choose(self, batch_size: int) -> TreeShape:
         unexplored = [c for c in self.candidates if self.rounds[c.label] < self.config.explore_rounds]
         if unexplored:  # the calibration ran in other conditions than serving: measure each shape served
-            shape = min(unexplored, key=lambda c: self.rounds[c.label])
-            self.rounds[shape.label] += 1
-            return shape
+            return self._serve(min(unexplored, key=lambda c: self.rounds[c.label]))
         chosen = self.best(batch_size)
         if chosen != self.current:
             logger.info(
@@ -402,11 +405,25 @@ class AdaptivePolicy:
             chosen = rival
         elif self.config.probe_every > 0 and self._since_probe >= self.config.probe_every:
             self._since_probe = 0
-            others = [c for c in self.candidates if c != chosen]
-            if others:
-                chosen = max(others, key=lambda c: self.rate(c, batch_size))
-        self.rounds[chosen.label] += 1
-        return chosen
+            chosen = self._probe(chosen, batch_size)
+        return self._serve(chosen)
+
+    def _serve(self, shape: TreeShape) -> TreeShape:
+        self.rounds[shape.label] += 1
+        self._round += 1
+        self.last_served[shape] = self._round
+        return shape
+
+    def _probe(self, chosen: TreeShape, batch: int) -> TreeShape:
+        """The candidate a periodic probe runs instead of `chosen`: alternately the runner-up and, among the
+        others, the one served longest ago (ties: the higher expected rate)."""
+        others = sorted((c for c in self.candidates if c != chosen), key=lambda c: -self.rate(c, batch))
+        if not others:
+            return chosen
+        self._probes += 1
+        if self._probes % 2 == 1 or len(others) == 1:
+            return others[0]
+        return min(others[1:], key=lambda c: self.last_served[c])
 
     def sub_shapes(self, shape: TreeShape) -> list[TreeShape]:
         return sub_shapes(self.candidates, shape)
