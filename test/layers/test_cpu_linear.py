@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import platform
+import subprocess
 
 import pytest
 import torch
@@ -47,6 +49,22 @@ def test_the_kernel_computes_exactly_where_the_cpu_has_avx512_bf16():
     tiled = torch.randn(32, 64, dtype=BF16)  # a shape the AMX path takes: more rows served there
     expect = cpu_linear.AMX_MAX_ROWS if HAS_AMX else cpu_linear.DPBF16_MAX_ROWS if HAS_NATIVE_BF16 else 0
     assert cpu_linear.max_rows(tiled) == expect
+
+
+@pytest.mark.skipif(not X86 or cpu_build._compiler() is None, reason="builds for x86 without AVX512-BF16")
+def test_a_build_without_avx512_bf16_is_declared_and_says_so(tmp_path):
+    """What a CPU without native bf16 gets (built here with the instructions switched off): a library whose only
+    function says it does not compute, which cpu_linear declares without looking for the others."""
+    out = tmp_path / "stub.so"
+    cc = cpu_build._compiler()
+    assert cc is not None
+    flags = [*cpu_build.FLAGS, "-march=native", "-mno-avx512bf16", "-mno-amx-bf16"]
+    subprocess.run([cc, *flags, str(cpu_linear.SOURCE), "-o", str(out)], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(out))
+    cpu_linear._declare(lib)
+    assert lib.linear_bf16_native() == 0
+    with pytest.raises(AttributeError):
+        lib.linear_bf16  # noqa: B018
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

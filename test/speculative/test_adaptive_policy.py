@@ -275,15 +275,27 @@ def test_probes_time_off_while_speculating():
 
 
 def test_probes_alternate_the_runner_up_and_the_longest_unserved():
-    """Every other probe runs the runner-up; the rest visit the lower-ranked candidates in turn, so a shape whose
-    estimate came out low is measured again instead of never."""
-    p = policy(probe_every=2, hysteresis=0.0)
+    """Every other probe runs the runner-up; the rest visit the lower-ranked candidates within the probe margin
+    in turn, so a shape whose estimate came out low is measured again instead of never."""
+    p = policy(probe_every=2, hysteresis=0.0, probe_margin=0.0)
     p.accept[BIG] = 6.0
     ranked = sorted((c for c in p.candidates if c != BIG), key=lambda c: -p.rate(c, 1))
     probes = [p.choose(1) for _ in range(16)][1::2]  # rounds 2, 4, ...: the probes
     assert probes[0::2] == [ranked[0]] * 4  # the runner-up every other probe
     assert sorted(probes[1::2][:3], key=ranked.index) == ranked[1:]  # each of the others once, in turn
     assert probes[1::2][3] == probes[1::2][0]  # then around again
+
+
+def test_periodic_probes_skip_shapes_far_below_the_chosen_one():
+    """A lower-ranked shape whose estimate is below probe_margin of the chosen shape's is not worth a round."""
+    p = policy(probe_every=2, hysteresis=0.0, probe_margin=0.7)
+    p.accept[BIG], p.accept[MID] = 4.0, 1.0  # MID far below, the rest close
+    best = p.rate(BIG, 1)
+    ranked = sorted((c for c in p.candidates if c != BIG), key=lambda c: -p.rate(c, 1))
+    close = [c for c in ranked[1:] if p.rate(c, 1) >= 0.7 * best]
+    assert MID not in close and len(close) >= 2  # the setting the test needs
+    probes = [p.choose(1) for _ in range(16)][1::2]
+    assert set(probes) == {ranked[0], *close}
 
 
 def test_start_up_exploration_serves_every_candidate():

@@ -32,12 +32,15 @@ class Kernel:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
+    """A build without AVX512-BF16 holds only linear_bf16_native (which says 0)."""
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    for name in ("linear_bf16_native", "linear_bf16_amx"):
-        getattr(lib, name).restype = i32
-        getattr(lib, name).argtypes = []
-    lib.linear_bf16.restype = None
-    lib.linear_bf16.argtypes = [p, p, p, p, i64, i64, i64, i32]  # x, w, bias, y, M, N, K, nthreads
+    lib.linear_bf16_native.restype = i32
+    lib.linear_bf16_native.argtypes = []
+    if lib.linear_bf16_native():
+        lib.linear_bf16_amx.restype = i32
+        lib.linear_bf16_amx.argtypes = []
+        lib.linear_bf16.restype = None
+        lib.linear_bf16.argtypes = [p, p, p, p, i64, i64, i64, i32]  # x, w, bias, y, M, N, K, nthreads
 
 
 _kernel: Kernel | None = None

@@ -25,7 +25,7 @@
 #define HAVE_DPBF16 0
 #endif
 
-/* Whether this build computes (1) or is a stub (0, no AVX512-BF16: cpu_linear.py then never calls linear_bf16).
+/* Whether this build computes (1) or holds nothing else (0, no AVX512-BF16: torch's matmul keeps every shape).
  * A fallback that widened bf16 to fp32 ran slower than torch's matmul on an AMX CPU and was removed. */
 int linear_bf16_native(void) { return HAVE_DPBF16; }
 

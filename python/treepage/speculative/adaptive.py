@@ -127,7 +127,8 @@ class AdaptiveConfig:
     probe_every: int = 32  # rounds between probes of another candidate (refreshes its estimates)
     explore_rounds: int = 4  # at start-up each candidate serves this many rounds, so served times exist
     # a candidate never served near the current batch size is probed once there when its estimate is at least
-    # this fraction of the chosen shape's (a new load level is measured in its first rounds, not 32 later)
+    # this fraction of the chosen shape's (a new load level is measured in its first rounds, not 32 later); the
+    # periodic probes of lower-ranked candidates keep to the same margin
     probe_margin: float = 0.7
 
     @staticmethod
@@ -286,8 +287,9 @@ class AdaptivePolicy:
     it did not see (the overlap thread next to the scheduler, longer contexts), is corrected within a few
     rounds. A shape that is never chosen would keep stale estimates forever (and OFF would never learn that the
     traffic became predictable), so every `probe_every` rounds another candidate (OFF included) runs once: in
-    turn the best other one, and the one served longest ago among the rest (ranked below the runner-up, a shape
-    whose estimate came out low, say from its few start-up rounds, would otherwise never be measured again).
+    turn the best other one, and the one served longest ago among the rest whose estimate is within
+    `probe_margin` of the chosen shape's (ranked below the runner-up, a shape whose estimate came out low, say
+    from its few start-up rounds, would otherwise never be measured again; one far below is not worth a round).
     Before any choice, each candidate serves `explore_rounds` rounds, so every shape's per-shape scale starts
     from served rounds. When the load changes and the new level lasts (SETTLE_ROUNDS), the batch size
     is one no round has been served at: there, a candidate whose estimate comes close to the chosen shape's
@@ -416,14 +418,17 @@ class AdaptivePolicy:
 
     def _probe(self, chosen: TreeShape, batch: int) -> TreeShape:
         """The candidate a periodic probe runs instead of `chosen`: alternately the runner-up and, among the
-        others, the one served longest ago (ties: the higher expected rate)."""
+        others whose estimate is within the probe margin of the chosen shape's, the one served longest ago
+        (ties: the higher expected rate; none within the margin: the runner-up)."""
         others = sorted((c for c in self.candidates if c != chosen), key=lambda c: -self.rate(c, batch))
         if not others:
             return chosen
         self._probes += 1
-        if self._probes % 2 == 1 or len(others) == 1:
+        floor = self.config.probe_margin * self.rate(chosen, batch)
+        rest = [c for c in others[1:] if self.rate(c, batch) >= floor]
+        if self._probes % 2 == 1 or not rest:
             return others[0]
-        return min(others[1:], key=lambda c: self.last_served[c])
+        return min(rest, key=lambda c: self.last_served[c])
 
     def sub_shapes(self, shape: TreeShape) -> list[TreeShape]:
         return sub_shapes(self.candidates, shape)
