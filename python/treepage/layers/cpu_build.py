@@ -1,8 +1,10 @@
 """The C kernels for CPU (attention/cpu_paged_attention.c, cpu_linear_bf16.c): built at first use, loaded with ctypes.
 
-Each source is compiled once per source/flags/compiler/CPU into a per-user cache directory with the system C
-compiler and OpenMP (the same libgomp torch loaded, so one thread pool). Anything that fails (no compiler, a
-compile error) returns None and leaves the caller's torch path in charge, logged once per kernel.
+Each source is compiled once per source/headers/flags/compiler/CPU into a per-user cache directory with the
+system C compiler and OpenMP (the same libgomp torch loaded, so one thread pool). The kernels share helpers in
+this directory's headers (cpu_bf16.h), whose bytes are part of every kernel's cache key: editing one rebuilds
+them all. Anything that fails (no compiler, a compile error) returns None and leaves the caller's torch path in
+charge, logged once per kernel.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ logger = logging.getLogger(__name__)
 # Vectorize for this CPU; finite sentinels keep the kernels correct without IEEE inf/NaN semantics being relied on.
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-std=c11"]
 ARCH_FLAGS = [["-march=native"], []]  # fall back to the compiler's default target
+INCLUDE_DIR = Path(__file__).parent  # the headers the kernels share
 
 _lock = threading.Lock()
 _loaded: dict[Path, ctypes.CDLL | None] = {}  # per source: the library, or None once it could not be built
@@ -52,8 +55,12 @@ def _compiler() -> str | None:
     return None
 
 
+def include_flags() -> list[str]:
+    return ["-I", str(INCLUDE_DIR)]
+
+
 def _build(cc: str, source: Path) -> Path:
-    src = source.read_bytes()
+    src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h")))
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     errors = []
     for arch in ARCH_FLAGS:
@@ -66,7 +73,10 @@ def _build(cc: str, source: Path) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         proc = subprocess.run(
-            [cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300
+            [cc, *flags, *include_flags(), str(source), "-o", tmp, "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         if proc.returncode == 0:
             os.replace(tmp, out)  # atomic: concurrent builders each install a complete file

@@ -16,10 +16,13 @@ from treepage.layers.cpu_build import load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_linear_bf16.c")
 # Rows up to which the kernel beats torch's bf16 matmul over a whole forward's weights (benchmark/bench_linear.py,
-# docs/benchmarks_context.md): its VDPBF16PS path at 1-2 rows; its AMX path (N % 16 == 0, K % 32 == 0) up to 24
-# rows (1.2x at 24; at 32, the most its two input tiles hold, it is even with torch).
-DPBF16_MAX_ROWS = 2
+# docs/benchmarks_context.md). On an AMX CPU: its AMX path (N % 16 == 0, K % 32 == 0) up to 24 rows (1.2x at 24;
+# at 32, the most its two input tiles hold, it is even with torch), and for other shapes its VDPBF16PS path at
+# 1-2 rows only, since torch's matmul runs on AMX there. On a CPU with AVX512-BF16 and no AMX, where torch has no
+# AMX either, the VDPBF16PS path up to 8 rows (1.02-1.27x at 1-8 rows, 0.97x at 12).
 AMX_MAX_ROWS = 24
+DPBF16_MAX_ROWS_BESIDE_AMX = 2
+DPBF16_MAX_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,9 @@ class Kernel:
     amx: bool  # the AMX path serves the shapes it accepts
 
     def max_rows(self, N: int, K: int) -> int:
-        return AMX_MAX_ROWS if self.amx and N % 16 == 0 and K % 32 == 0 else DPBF16_MAX_ROWS
+        if not self.amx:
+            return DPBF16_MAX_ROWS
+        return AMX_MAX_ROWS if N % 16 == 0 and K % 32 == 0 else DPBF16_MAX_ROWS_BESIDE_AMX
 
 
 def _declare(lib: ctypes.CDLL) -> None:

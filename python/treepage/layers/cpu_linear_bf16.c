@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_bf16.h"
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define HAVE_DPBF16 1
@@ -36,25 +38,6 @@ int linear_bf16_native(void) { return HAVE_DPBF16; }
 /* Weights (N * K) below which a call runs on one thread: waking the pool's other thread (OMP_WAIT_POLICY=PASSIVE,
  * as the server runs) costs more than it saves on a small matrix (benchmarks_context.md). */
 #define PARALLEL_MIN_WEIGHTS (1 << 20)
-
-static inline float bf16_to_f32(uint16_t x) {
-    union {
-        uint32_t u;
-        float f;
-    } c;
-    c.u = (uint32_t)x << 16;
-    return c.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    union {
-        uint32_t u;
-        float f;
-    } c;
-    c.f = f;
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
 
 /* acc[r][m] = dot(w row r, x row m) for r < nr, m < mr; forced inline so that nr, mr are constants and the
  * accumulators live in registers. */

@@ -324,7 +324,6 @@ class AdaptivePolicy:
         self.current: TreeShape = self.candidates[0]
         self._since_probe = 0
         self._probes = 0
-        self._round = 0
         self.last_served: dict[TreeShape, int] = dict.fromkeys(self.candidates, -1)  # the round it last ran
         self._level = 0  # the batch size of the current load level, and the rounds served at it in a row
         self._level_rounds = 0
@@ -360,13 +359,18 @@ class AdaptivePolicy:
 
     def _unmeasured_rival(self, chosen: TreeShape, batch: int) -> TreeShape | None:
         """The best candidate never served near this batch size whose estimate is within the probe margin."""
-        floor = self.config.probe_margin * self.rate(chosen, batch)
         rivals = [
             c
             for c in self.candidates
-            if c != chosen and not self._served_near(c, batch, PROBE_ROUNDS) and self.rate(c, batch) >= floor
+            if c != chosen
+            and not self._served_near(c, batch, PROBE_ROUNDS)
+            and self._within_margin(c, chosen, batch)
         ]
         return max(rivals, key=lambda c: self.rate(c, batch)) if rivals else None
+
+    def _within_margin(self, shape: TreeShape, chosen: TreeShape, batch: int) -> bool:
+        """Whether this shape's expected rate is within the probe margin of the chosen shape's: worth measuring."""
+        return self.rate(shape, batch) >= self.config.probe_margin * self.rate(chosen, batch)
 
     def _same_level(self, batch: int) -> bool:
         return self._level > 0 and max(batch, self._level) <= 1.5 * min(batch, self._level)
@@ -412,8 +416,7 @@ class AdaptivePolicy:
 
     def _serve(self, shape: TreeShape) -> TreeShape:
         self.rounds[shape.label] += 1
-        self._round += 1
-        self.last_served[shape] = self._round
+        self.last_served[shape] = self.rounds.total()
         return shape
 
     def _probe(self, chosen: TreeShape, batch: int) -> TreeShape:
@@ -424,8 +427,7 @@ class AdaptivePolicy:
         if not others:
             return chosen
         self._probes += 1
-        floor = self.config.probe_margin * self.rate(chosen, batch)
-        rest = [c for c in others[1:] if self.rate(c, batch) >= floor]
+        rest = [c for c in others[1:] if self._within_margin(c, chosen, batch)]
         if self._probes % 2 == 1 or not rest:
             return others[0]
         return min(rest, key=lambda c: self.last_served[c])

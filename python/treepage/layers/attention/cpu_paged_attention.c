@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #define BLK 32        /* KV positions per inner block */
 #define QTILE 16      /* queries per task */
 #define RT 4          /* rows per register tile */
@@ -44,15 +46,6 @@ typedef struct {
 typedef struct {
     int b, j0, j1, p0, p1; /* request, its queries [j0, j1), its KV positions [p0, p1) */
 } Task;
-
-static inline float bf16_bits_to_f32(uint16_t x) {
-    union {
-        uint32_t u;
-        float f;
-    } c;
-    c.u = (uint32_t)x << 16;
-    return c.f;
-}
 
 /* exp(x) for x <= 0 in a form the compiler vectorizes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], with the
  * classic degree-6 minimax polynomial (relative error ~1e-7). Below -87 it returns ~1e-38 instead of 0. */
@@ -246,7 +239,7 @@ static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, fl
             const int64_t src = ((int64_t)(a->q_start[b] + j) * Hq + hq) * D;
             float *dst = qf + ((size_t)(hq / G) * nrp + (size_t)(j - t->j0) * G + hq % G) * D;
             for (int d = 0; d < D; d++)
-                dst[d] = (a->q_bf16 ? bf16_bits_to_f32(((const uint16_t *)a->q)[src + d])
+                dst[d] = (a->q_bf16 ? bf16_to_f32(((const uint16_t *)a->q)[src + d])
                                     : ((const float *)a->q)[src + d]) * a->scale;
         }
     for (int r = 0; r < Hkv * nrp; r++) {
@@ -277,18 +270,18 @@ static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, fl
                 if (a->kv_bf16) {
                     const uint16_t *k = (const uint16_t *)a->k + off[i], *v = (const uint16_t *)a->v + off[i];
 #pragma omp simd
-                    for (int64_t c = 0; c < ss; c++) kbuf[i * ss + c] = bf16_bits_to_f32(k[c]);
+                    for (int64_t c = 0; c < ss; c++) kbuf[i * ss + c] = bf16_to_f32(k[c]);
 #pragma omp simd
-                    for (int64_t c = 0; c < ss; c++) vbuf[i * ss + c] = bf16_bits_to_f32(v[c]);
+                    for (int64_t c = 0; c < ss; c++) vbuf[i * ss + c] = bf16_to_f32(v[c]);
                 }
             }
         } else { /* K transposed into kt[c][i] */
             for (int i = 0; i < nt; i++) {
                 if (a->kv_bf16) {
                     const uint16_t *k = (const uint16_t *)a->k + off[i], *v = (const uint16_t *)a->v + off[i];
-                    for (int64_t c = 0; c < ss; c++) kt[c * BLK + i] = bf16_bits_to_f32(k[c]);
+                    for (int64_t c = 0; c < ss; c++) kt[c * BLK + i] = bf16_to_f32(k[c]);
 #pragma omp simd
-                    for (int64_t c = 0; c < ss; c++) vbuf[i * ss + c] = bf16_bits_to_f32(v[c]);
+                    for (int64_t c = 0; c < ss; c++) vbuf[i * ss + c] = bf16_to_f32(v[c]);
                 } else {
                     const float *k = (const float *)a->k + off[i];
                     for (int64_t c = 0; c < ss; c++) kt[c * BLK + i] = k[c];
