@@ -360,17 +360,15 @@ class AdaptivePolicy:
     def _unmeasured_rival(self, chosen: TreeShape, batch: int) -> TreeShape | None:
         """The best candidate never served near this batch size whose estimate is within the probe margin."""
         rivals = [
-            c
-            for c in self.candidates
-            if c != chosen
-            and not self._served_near(c, batch, PROBE_ROUNDS)
-            and self._within_margin(c, chosen, batch)
+            c for c in self._within_margin(chosen, batch) if not self._served_near(c, batch, PROBE_ROUNDS)
         ]
         return max(rivals, key=lambda c: self.rate(c, batch)) if rivals else None
 
-    def _within_margin(self, shape: TreeShape, chosen: TreeShape, batch: int) -> bool:
-        """Whether this shape's expected rate is within the probe margin of the chosen shape's: worth measuring."""
-        return self.rate(shape, batch) >= self.config.probe_margin * self.rate(chosen, batch)
+    def _within_margin(self, chosen: TreeShape, batch: int) -> list[TreeShape]:
+        """The other candidates whose expected rate is within the probe margin of the chosen shape's: the ones
+        worth measuring."""
+        floor = self.config.probe_margin * self.rate(chosen, batch)
+        return [c for c in self.candidates if c != chosen and self.rate(c, batch) >= floor]
 
     def _same_level(self, batch: int) -> bool:
         return self._level > 0 and max(batch, self._level) <= 1.5 * min(batch, self._level)
@@ -427,7 +425,8 @@ class AdaptivePolicy:
         if not others:
             return chosen
         self._probes += 1
-        rest = [c for c in others[1:] if self._within_margin(c, chosen, batch)]
+        close = self._within_margin(chosen, batch)
+        rest = [c for c in others[1:] if c in close]
         if self._probes % 2 == 1 or not rest:
             return others[0]
         return min(rest, key=lambda c: self.last_served[c])
