@@ -1,4 +1,5 @@
-/* bf16 <-> fp32 for the CPU kernels (cpu_linear_bf16.c, attention/cpu_paged_attention.c), as scalar helpers.
+/* bf16 <-> fp32 for the CPU kernels (cpu_linear_bf16.c, cpu_rope.c, attention/cpu_paged_attention.c), as scalar
+ * helpers.
  * Found through cpu_build.py's include directory, whose headers are part of every kernel's cache key. */
 #ifndef TREEPAGE_CPU_BF16_H
 #define TREEPAGE_CPU_BF16_H

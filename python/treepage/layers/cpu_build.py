@@ -1,4 +1,5 @@
-"""The C kernels for CPU (attention/cpu_paged_attention.c, cpu_linear_bf16.c): built at first use, loaded with ctypes.
+"""The C kernels for CPU (attention/cpu_paged_attention.c, cpu_linear_bf16.c, cpu_rope.c): built at first use, loaded
+with ctypes.
 
 Each source is compiled once per source/headers/flags/compiler/CPU into a per-user cache directory with the
 system C compiler and OpenMP (the same libgomp torch loaded, so one thread pool). The kernels share helpers in
