@@ -564,10 +564,22 @@ def test_cpu_kernel_model_shapes(P, dtype, monkeypatch):
 @pytest.mark.parametrize("d", [16, 32, 96, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_decode_head_dims(d, dtype, monkeypatch):
-    """The dot-product decode path blocks a row's columns by 8, 4 and 1 vectors and a block's positions by the
-    vector width: head dims that use each column block, and lengths that end mid-group, against the dense
-    reference."""
+    """The dot-product decode path blocks a row's columns by 4 and 1 vectors and a block's positions by the
+    vector width, and takes bf16 scores 32 values at a time where the CPU has VDPBF16PS (16 and 96 are not
+    multiples of 32 and 64): head dims that use each column block, and lengths that end mid-group, against the
+    dense reference."""
     cache, q, meta, ref = make_decode(4, dtype, seed=d, heads=(2, 6, d), lens=[1, 5, 37, 70])
+    assert_close(kernel_backend(monkeypatch).decode(q, cache.k, cache.v, meta, 0.25), ref, dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [1, 2, 4, 5, 7, 15])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_decode_group_sizes(group, dtype, monkeypatch):
+    """The dot path's P.V takes a kv head's query rows a register tile at a time (4 rows with AVX-512, 2 with
+    AVX2) and the rest in one smaller tile: every group size the path serves (up to 15 rows) against the dense
+    reference."""
+    cache, q, meta, ref = make_decode(16, dtype, seed=group, heads=(2, 2 * group, 64), lens=[3, 40, 300])
     assert_close(kernel_backend(monkeypatch).decode(q, cache.k, cache.v, meta, 0.25), ref, dtype)
 
 

@@ -124,7 +124,20 @@ static inline __m256 hsum(const __m256 *v) {
 }
 #endif
 
-/* s[u][0:BLK] = q[u] . k_i for nr rows against K rows in their natural layout (D a multiple of LANES): for few
+/* LANES consecutive values of a V row as fp32: loaded (fp32) or widened in registers (bf16, exact). Inlined with a
+ * constant `bf16`, so each caller compiles to one of the two loads. */
+static inline __attribute__((always_inline)) vec vload_kv(const void *row, int64_t c, const int bf16) {
+    if (!bf16) return vload((const float *)row + c);
+#if defined(__AVX512F__)
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + c));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + c));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#endif
+}
+
+/* s[u][0:BLK] = q[u] . k_i for nr rows against fp32 K rows in their natural layout (D a multiple of LANES): for few
  * rows (decode, cascade) this beats transposing the block first. The LANES positions of a group accumulate in
  * independent registers over d (one chain over d would wait on the FMA latency at every step); a group past nt
  * repeats the last row and its scores are overwritten. Positions i >= nt get 0. */
@@ -149,34 +162,105 @@ static void scores_dot(float *s, const float *q, int nr, const float *const *kro
     }
 }
 
-/* Columns [d0, d0 + nv * LANES) of one row: nv accumulators stay in registers over the block's positions (nv
- * independent chains hide the FMA latency). Every column vector sums its positions in order whatever nv is, so
- * a row's result does not depend on how its columns are blocked. */
-static inline __attribute__((always_inline)) void pv_cols(float *au, const float *pu, const float *const *vrow,
-                                                          int nt, int d0, const int nv) {
-    vec c[8];
-    for (int w = 0; w < nv; w++) c[w] = vload(au + d0 + w * LANES);
-    for (int i = 0; i < nt; i++) {
-        const vec pi = vset1(pu[i]);
-        for (int w = 0; w < nv; w++) c[w] = vfma(pi, vload(vrow[i] + d0 + w * LANES), c[w]);
-    }
-    for (int w = 0; w < nv; w++) vstore(au + d0 + w * LANES, c[w]);
-}
-
-/* acc[u][0:D] += sum_i p[u][i] * v_i[0:D] for the dot path's nr rows (unpadded), 8, then 4, then 1 column
- * vectors at a time. */
-static void pv_dot(float *acc, const float *p, int nr, const float *const *vrow, int nt, int D) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define HAVE_DPBF16 1
+/* The same scores for bf16 queries against bf16 K with VDPBF16PS (D a multiple of 32): 32 products per
+ * instruction, each exact in fp32, and no widening. q holds the model's bf16 values unscaled; the scale is
+ * applied to the sums. */
+static void scores_dpbf16(float *s, const uint16_t *q, int nr, const void *const *krow, int nt, int D,
+                          float scale) {
+    const __m512 sc = _mm512_set1_ps(scale);
     for (int u = 0; u < nr; u++) {
-        float *au = acc + (size_t)u * D;
-        const float *pu = p + (size_t)u * BLK;
-        int d0 = 0;
-        for (; d0 + 8 * LANES <= D; d0 += 8 * LANES) pv_cols(au, pu, vrow, nt, d0, 8);
-        for (; d0 + 4 * LANES <= D; d0 += 4 * LANES) pv_cols(au, pu, vrow, nt, d0, 4);
-        for (; d0 < D; d0 += LANES) pv_cols(au, pu, vrow, nt, d0, 1);
+        const uint16_t *qu = q + (size_t)u * D;
+        float *su = s + (size_t)u * BLK;
+        for (int i0 = 0; i0 < nt; i0 += 16) {
+            const uint16_t *k[16];
+            __m512 acc[16];
+            for (int i = 0; i < 16; i++) {
+                k[i] = (const uint16_t *)krow[i0 + i < nt ? i0 + i : nt - 1];
+                acc[i] = _mm512_setzero_ps();
+            }
+            for (int d = 0; d < D; d += 32) {
+                const __m512bh qd = (__m512bh)_mm512_loadu_si512(qu + d);
+                for (int i = 0; i < 16; i++)
+                    acc[i] = _mm512_dpbf16_ps(acc[i], qd, (__m512bh)_mm512_loadu_si512(k[i] + d));
+            }
+            _mm512_storeu_ps(su + i0, _mm512_mul_ps(hsum(acc), sc));
+        }
+        for (int i = nt; i < BLK; i++) su[i] = 0.0f;
     }
 }
 #else
+#define HAVE_DPBF16 0
+#endif
+
+/* Rows per P.V register tile: NR rows x 4 column vectors of accumulators plus the 4 V vectors fit the register
+ * file (32 vector registers with AVX-512, 16 with AVX2). */
+#if defined(__AVX512F__)
+#define PV_ROWS 4
+#else
+#define PV_ROWS 2
+#endif
+
+/* Columns [d0, d0 + nv * LANES) of NR rows: each position's V vectors are loaded (or widened) once for all NR
+ * rows, and the NR * nv accumulators stay in registers over the block's positions. Every (row, column vector)
+ * accumulator sums its positions in order whatever NR and nv are, so a row's result does not depend on how rows
+ * or columns are blocked. */
+static inline __attribute__((always_inline)) void pv_rows(float *acc, const float *p, const void *const *vrow,
+                                                          int nt, int D, int d0, const int NR, const int nv,
+                                                          const int bf16) {
+    vec c[PV_ROWS][4];
+    for (int u = 0; u < NR; u++)
+        for (int w = 0; w < nv; w++) c[u][w] = vload(acc + (size_t)u * D + d0 + w * LANES);
+    for (int i = 0; i < nt; i++) {
+        vec v[4];
+        for (int w = 0; w < nv; w++) v[w] = vload_kv(vrow[i], d0 + w * LANES, bf16);
+        for (int u = 0; u < NR; u++) {
+            const vec pi = vset1(p[u * BLK + i]);
+            for (int w = 0; w < nv; w++) c[u][w] = vfma(pi, v[w], c[u][w]);
+        }
+    }
+    for (int u = 0; u < NR; u++)
+        for (int w = 0; w < nv; w++) vstore(acc + (size_t)u * D + d0 + w * LANES, c[u][w]);
+}
+
+/* One tile of NR rows over every column: 4 column vectors at a time, then 1. */
+static inline __attribute__((always_inline)) void pv_tile_rows(float *acc, const float *p, const void *const *vrow,
+                                                               int nt, int D, const int NR, const int bf16) {
+    int d0 = 0;
+    for (; d0 + 4 * LANES <= D; d0 += 4 * LANES) pv_rows(acc, p, vrow, nt, D, d0, NR, 4, bf16);
+    for (; d0 < D; d0 += LANES) pv_rows(acc, p, vrow, nt, D, d0, NR, 1, bf16);
+}
+
+/* acc[u][0:D] += sum_i p[u][i] * v_i[0:D] for the dot path's nr rows (unpadded), against V rows in place in the
+ * cache, PV_ROWS rows at a time (the last tile takes what is left). */
+static inline __attribute__((always_inline)) void pv_dot(float *acc, const float *p, int nr,
+                                                         const void *const *vrow, int nt, int D, const int bf16) {
+    int u = 0;
+    for (; u + PV_ROWS <= nr; u += PV_ROWS)
+        pv_tile_rows(acc + (size_t)u * D, p + (size_t)u * BLK, vrow, nt, D, PV_ROWS, bf16);
+    switch (nr - u) {
+#if PV_ROWS > 2
+    case 3: pv_tile_rows(acc + (size_t)u * D, p + (size_t)u * BLK, vrow, nt, D, 3, bf16); break;
+#endif
+#if PV_ROWS > 1
+    case 2: pv_tile_rows(acc + (size_t)u * D, p + (size_t)u * BLK, vrow, nt, D, 2, bf16); break;
+#endif
+    case 1: pv_tile_rows(acc + (size_t)u * D, p + (size_t)u * BLK, vrow, nt, D, 1, bf16); break;
+    default: break;
+    }
+}
+
+/* The dot path's P.V, compiled once per V dtype. */
+static void pv_dot_f32(float *acc, const float *p, int nr, const void *const *vrow, int nt, int D) {
+    pv_dot(acc, p, nr, vrow, nt, D, 0);
+}
+static void pv_dot_bf16(float *acc, const float *p, int nr, const void *const *vrow, int nt, int D) {
+    pv_dot(acc, p, nr, vrow, nt, D, 1);
+}
+#else
 #define DOT_PATH 0
+#define HAVE_DPBF16 0
 #define LANES 1 /* only named by the (always false) dot-path condition */
 #endif
 
@@ -217,7 +301,8 @@ static inline int64_t slot_of(const int32_t *row, int page_shift, int pos) {
 static inline int rows_padded(const Task *t, int G) { return ((t->j1 - t->j0) * G + RT - 1) / RT * RT; }
 
 /* One task: queries [j0, j1) of request b (all heads) against its KV positions [p0, p1), BLK positions at a time.
- * Each block's slot rows (every kv head, contiguous in the cache) are read once: K transposed into kt[c][i]
+ * The dot path (few rows per kv head) reads each block's K and V rows in place in the cache. The tile path reads
+ * each block's slot rows (every kv head, contiguous in the cache) once: K transposed into kt[c][i]
  * (c = head * D + d), V in place (fp32) or widened into vbuf (bf16). Rows of kv head h are rr = (j - j0) * G + g,
  * padded to a multiple of RT (padding rows have q = 0 and p = 0); m/l/acc row index = h * nrp + rr. */
 static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, float *acc) {
@@ -227,20 +312,26 @@ static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, fl
     const int64_t m0 = a->mask_kind == 2 ? a->mask_start[b] : 0;
     const int64_t ss = (int64_t)Hkv * D; /* slot stride in elements */
     const int32_t *row = a->table + b * a->table_stride;
-    const size_t qn = (size_t)Hkv * nrp * D, bn = (size_t)BLK * ss;
-    float *qf = calloc(qn + 2 * bn + (size_t)nrp * BLK + (size_t)nj * BLK, sizeof(float));
-    if (!qf) return 1;
-    float *kt = qf + qn, *vbuf = kt + bn, *s = vbuf + bn, *vis = s + (size_t)nrp * BLK;
-    float *kbuf = kt; /* the dot path widens bf16 K rows here instead */
     const int dot = DOT_PATH && D % LANES == 0 && nrh < 16;
+    /* bf16 queries against bf16 K on a CPU with VDPBF16PS: the scores from the bf16 values as they are. */
+    const int dp = HAVE_DPBF16 && dot && a->q_bf16 && a->kv_bf16 && D % 32 == 0;
+    /* Block buffers: the tile path's transposed K (kt) and widened V (vbuf); the dot path's widened K (kbuf, in kt's
+     * place) for bf16 K without dp. The dot path reads V, and fp32 or dp K, in place. */
+    const size_t bn = (size_t)BLK * ss, nkt = !dot || (a->kv_bf16 && !dp) ? bn : 0, nvb = dot ? 0 : bn;
+    const size_t qn = (size_t)Hkv * nrp * D, qbn = dp ? (qn + 1) / 2 : 0;
+    float *qf = calloc(qn + nkt + nvb + (size_t)nrp * BLK + (size_t)nj * BLK + qbn, sizeof(float));
+    if (!qf) return 1;
+    float *kt = qf + qn, *vbuf = kt + nkt, *s = vbuf + nvb, *vis = s + (size_t)nrp * BLK, *kbuf = kt;
+    uint16_t *qb = (uint16_t *)(vis + (size_t)nj * BLK); /* dp: the bf16 queries, unscaled, laid out as qf */
     const int esz = a->kv_bf16 ? 2 : 4;
     for (int j = t->j0; j < t->j1; j++)
         for (int hq = 0; hq < Hq; hq++) {
             const int64_t src = ((int64_t)(a->q_start[b] + j) * Hq + hq) * D;
-            float *dst = qf + ((size_t)(hq / G) * nrp + (size_t)(j - t->j0) * G + hq % G) * D;
+            const size_t at = ((size_t)(hq / G) * nrp + (size_t)(j - t->j0) * G + hq % G) * D;
             for (int d = 0; d < D; d++)
-                dst[d] = (a->q_bf16 ? bf16_to_f32(((const uint16_t *)a->q)[src + d])
-                                    : ((const float *)a->q)[src + d]) * a->scale;
+                qf[at + d] = (a->q_bf16 ? bf16_to_f32(((const uint16_t *)a->q)[src + d])
+                                        : ((const float *)a->q)[src + d]) * a->scale;
+            if (dp) memcpy(qb + at, (const uint16_t *)a->q + src, sizeof(uint16_t) * (size_t)D);
         }
     for (int r = 0; r < Hkv * nrp; r++) {
         m_out[r] = NEG;
@@ -248,6 +339,9 @@ static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, fl
     }
     memset(acc, 0, sizeof(float) * (size_t)Hkv * nrp * D);
     const float *vrow[BLK];
+#if DOT_PATH
+    const void *kraw[BLK], *vraw[BLK]; /* the dot path's rows of one kv head: K (dp) and V in the cache */
+#endif
     int64_t off[BLK];
     for (int pb = t->p0; pb < t->p1; pb += BLK) {
         const int nt = t->p1 - pb < BLK ? t->p1 - pb : BLK;
@@ -265,16 +359,13 @@ static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, fl
                 __builtin_prefetch((const char *)a->v + o + c, 0, 1);
             }
         }
-        if (dot) { /* K rows as they are (fp32) or widened into kbuf (bf16) */
-            for (int i = 0; i < nt; i++) {
-                if (a->kv_bf16) {
-                    const uint16_t *k = (const uint16_t *)a->k + off[i], *v = (const uint16_t *)a->v + off[i];
+        if (dot) { /* bf16 K rows widened into kbuf (dp reads them as they are) */
+            if (a->kv_bf16 && !dp)
+                for (int i = 0; i < nt; i++) {
+                    const uint16_t *k = (const uint16_t *)a->k + off[i];
 #pragma omp simd
                     for (int64_t c = 0; c < ss; c++) kbuf[i * ss + c] = bf16_to_f32(k[c]);
-#pragma omp simd
-                    for (int64_t c = 0; c < ss; c++) vbuf[i * ss + c] = bf16_to_f32(v[c]);
                 }
-            }
         } else { /* K transposed into kt[c][i] */
             for (int i = 0; i < nt; i++) {
                 if (a->kv_bf16) {
@@ -301,10 +392,21 @@ static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, fl
             const float *qh = qf + (size_t)h * nrp * D;
 #if DOT_PATH
             if (dot) {
-                const float *krow[BLK];
-                for (int i = 0; i < nt; i++)
-                    krow[i] = (a->kv_bf16 ? kbuf + i * ss : (const float *)a->k + off[i]) + (int64_t)h * D;
-                scores_dot(s, qh, nrh, krow, nt, D);
+                for (int i = 0; i < nt; i++) {
+                    kraw[i] = (const char *)a->k + (off[i] + (int64_t)h * D) * esz;
+                    vraw[i] = (const char *)a->v + (off[i] + (int64_t)h * D) * esz;
+                }
+#if HAVE_DPBF16
+                if (dp)
+                    scores_dpbf16(s, qb + (size_t)h * nrp * D, nrh, kraw, nt, D, a->scale);
+                else
+#endif
+                {
+                    const float *krow[BLK];
+                    for (int i = 0; i < nt; i++)
+                        krow[i] = a->kv_bf16 ? kbuf + i * ss + (int64_t)h * D : (const float *)kraw[i];
+                    scores_dot(s, qh, nrh, krow, nt, D);
+                }
             } else
 #endif
                 for (int r0 = 0; r0 < nrp; r0 += RT)
@@ -342,15 +444,17 @@ static int run_task(const Args *a, const Task *t, float *m_out, float *l_out, fl
                 }
             }
             memset(s + (size_t)nrh * BLK, 0, sizeof(float) * (size_t)(nrp - nrh) * BLK);
-            for (int i = 0; i < nt; i++)
-                vrow[i] = (a->kv_bf16 ? vbuf + i * ss : (const float *)a->v + off[i]) + (int64_t)h * D;
 #if DOT_PATH
             if (dot)
-                pv_dot(acc + (size_t)h * nrp * D, s, nrh, vrow, nt, D);
+                (a->kv_bf16 ? pv_dot_bf16 : pv_dot_f32)(acc + (size_t)h * nrp * D, s, nrh, vraw, nt, D);
             else
 #endif
+            {
+                for (int i = 0; i < nt; i++)
+                    vrow[i] = (a->kv_bf16 ? vbuf + i * ss : (const float *)a->v + off[i]) + (int64_t)h * D;
                 for (int r0 = 0; r0 < nrp; r0 += RT)
                     pv_tile(acc + ((size_t)h * nrp + r0) * D, s + (size_t)r0 * BLK, vrow, nt, D);
+            }
         }
     }
     free(qf);
