@@ -42,7 +42,7 @@ from everyday_prompts import EVERYDAY_PROMPTS  # noqa: E402
 from make_eagle_data import heldout_questions, sharegpt_heldout_questions  # noqa: E402
 
 from treepage.arg_groups.speculative import DEFAULT_SERVER_TREE  # noqa: E402
-from treepage.entrypoints.engine import Engine  # noqa: E402
+from treepage.entrypoints.engine import CumulativeOutput, Engine  # noqa: E402
 from treepage.managers.tokenizer import load_tokenizer  # noqa: E402
 from treepage.models.loader import default_model_path  # noqa: E402
 from treepage.models.shipped_heads import shipped_head_path  # noqa: E402
@@ -172,10 +172,11 @@ def decode_set(
             )
             sinks.append(queue.Queue())
             engine.submit(list(ids), sp, sinks[-1].put)
-        for q in sinks:
-            while not (out := q.get())["finished"]:
-                pass
-            outputs.append(out["output_ids"])
+        for q in sinks:  # the engine streams deltas; the ids are their concatenation
+            acc = CumulativeOutput()
+            while not acc.finished:
+                acc.add(q.get())
+            outputs.append(acc.output_ids)
     rounds = dbg.rounds - r0 if dbg else 0
     return {"accept_len": round((dbg.emitted - e0) / rounds, 3) if rounds else None, "outputs": outputs}
 
@@ -241,7 +242,10 @@ def acceptance(args) -> dict:
         ["head", "dtype", "(S,K,N)", "T", "set", "accept len", "equal to plain"],
         rows,
     )
-    return {"sets": sets, "heads": {k: str(v) for k, v in heads.items()}, "runs": runs}
+    # Paths relative to the repository where they lie in it, so results name no machine's folders.
+    where = {k: os.path.relpath(v, HERE.parent) if Path(v).resolve().is_relative_to(HERE.parent) else str(v)
+             for k, v in heads.items()}  # fmt: skip
+    return {"sets": sets, "heads": where, "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -16,6 +16,8 @@ jsonl files are skipped (a line cut by a kill is dropped), and --max-minutes sto
     python scripts/make_eagle_data.py --out build/eagle            # the shipped EAGLE-3 head's data
     python scripts/make_eagle_data.py --out build/eagle-templates --sharegpt none --num-train 0 --num-heldout 0 \
         --num-old-train 1280 --max-new-tokens 128                  # the template-only recipe (EAGLE head)
+    python scripts/make_eagle_data.py --out build/plan --plan-only # prompts + sources only, to plan.json ...
+    python scripts/make_eagle_data.py --out build/eagle --plan build/plan/plan.json   # ... generated elsewhere
 """
 
 from __future__ import annotations
@@ -311,12 +313,14 @@ def count_file(path: str) -> dict:
     return {"prompts": prompts, "prompt_tokens": tokens_in, "response_tokens": tokens_out, "sources": sources}
 
 
-def generator_args(model_path: str | None, dtype: str):
+def generator_args(model_path: str | None, dtype: str, device: str = "auto"):
     """Plain greedy decoding: with no flags the default model would speculate with the shipped head, and the data
     must not depend on the head it trains (in bf16 a speculative run can take the other token at near ties)."""
     from treepage.server_args import ServerArgs
 
-    return ServerArgs(model_path=model_path, dtype=dtype, speculative_algorithm="NONE", log_level="warning")
+    return ServerArgs(
+        model_path=model_path, dtype=dtype, device=device, speculative_algorithm="NONE", log_level="warning"
+    )
 
 
 def plan(args, conversations: list[dict] | None) -> tuple[dict[str, list[Prompt]], dict]:
@@ -374,17 +378,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--max-minutes", type=float, default=None, help="stop (resumably) after this much generation"
     )
+    ap.add_argument("--device", default="auto", help="as the server's --device")
+    ap.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="write the prompts of every file to <out>/plan.json and stop (no model is loaded)",
+    )
+    ap.add_argument(
+        "--plan",
+        default=None,
+        help="generate from a plan.json written by --plan-only (a machine without the ShareGPT package)",
+    )
     return ap.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    from treepage.entrypoints.engine import Engine
-    from treepage.managers.tokenizer import apply_chat_template
-
-    os.makedirs(args.out, exist_ok=True)
-    t0 = time.time()
+def build_plan(args) -> dict:
+    """Every output file's prompts in generation order, with the source and selection facts the manifest states."""
     source: dict = {"templates": "pydoc_data.topics (CPython help topics) + built-in chat subjects"}
     conversations = None
     if args.sharegpt != "none":
@@ -400,7 +409,40 @@ def main(argv: list[str] | None = None) -> dict:
         }
         conversations = read.conversations
     files, info = plan(args, conversations)
-    engine = Engine(generator_args(args.model_path, args.dtype))
+    selection = info | {
+        "filters": asdict(Filters(args.min_chars, args.max_chars)),
+        "language": "ASCII >= 98 % and a common English word",
+        "dedup": "normalized text (case, punctuation, spacing), global across splits",
+        "sharegpt_heldout": f"sha256(conversation id) mod 1000 < {SHAREGPT_HELDOUT_PERMILLE}",
+        "template_heldout": f"{args.heldout_frac:.0%} of topics",
+        "seed": args.seed,
+    }
+    return {
+        "sources": source,
+        "selection": selection,
+        "files": {k: [asdict(p) for p in v] for k, v in files.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from treepage.entrypoints.engine import Engine
+    from treepage.managers.tokenizer import apply_chat_template
+
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    if args.plan is not None:
+        with open(args.plan) as f:
+            saved = json.load(f)
+    else:
+        saved = build_plan(args)
+        if args.plan_only:
+            with open(os.path.join(args.out, "plan.json"), "w") as f:
+                json.dump(saved, f)
+            return saved
+    files = {k: [Prompt(**p) for p in v] for k, v in saved["files"].items()}
+    engine = Engine(generator_args(args.model_path, args.dtype, args.device))
     assert not engine.args.speculation
     stopped_early = False
     try:
@@ -432,22 +474,16 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         engine.shutdown()
     manifest = {
-        "sources": source,
-        "selection": info
-        | {
-            "filters": asdict(Filters(args.min_chars, args.max_chars)),
-            "language": "ASCII >= 98 % and a common English word",
-            "dedup": "normalized text (case, punctuation, spacing), global across splits",
-            "sharegpt_heldout": f"sha256(conversation id) mod 1000 < {SHAREGPT_HELDOUT_PERMILLE}",
-            "template_heldout": f"{args.heldout_frac:.0%} of topics",
-        },
+        "sources": saved["sources"],
+        "selection": saved["selection"],
+        "plan": os.path.basename(args.plan) if args.plan else None,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "model_path": engine.args.model_path,
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": engine.args.device,
         "decoding": "plain greedy (speculation off)",
         "max_new_tokens": args.max_new_tokens,
-        "seed": args.seed,
         "planned": {k: len(v) for k, v in files.items()},
         "files": {k: count_file(os.path.join(args.out, f"{k}.jsonl")) for k in files},
         "complete": not stopped_early,

@@ -12,7 +12,8 @@ Why this recipe (see docs/training.md):
   head, over the same unroll (so deeper drafts have seen their own states in training).
 - Warm start from a late target layer (eagle_head_from_target); the released layouts are written in bf16.
 
-Resumable: a checkpoint is written every --ckpt-every steps to --work; --resume continues bit-exactly.
+Resumable: a checkpoint is written every --ckpt-every steps to --work; --resume continues bit-exactly, also after
+--max-minutes ended a run early (evaluated and saved at the step it reached).
 
     python scripts/train_eagle.py --algorithm EAGLE3 --data build/eagle
 """
@@ -448,6 +449,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="stop training (evaluated, saved, resumable) once this much wall time has passed since start",
+    )
     ap.add_argument("--limit", type=int, default=None, help="use only the first N records of each split")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
@@ -563,7 +570,13 @@ def main(argv: list[str] | None = None) -> dict:
     if step == 0:
         run_eval()
     bar = tqdm(total=args.steps, initial=step, desc=f"train {args.algorithm}", unit="step", mininterval=5)
+    stopped_early = False
     while step < args.steps:
+        if args.max_minutes is not None and time.time() - t_start > 60 * args.max_minutes:
+            stopped_early = True
+            run_eval()
+            save_ckpt()
+            break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         batch = collate(train, schedule[step], args.algorithm, device)
@@ -602,6 +615,8 @@ def main(argv: list[str] | None = None) -> dict:
         "draft_vocab_size": Vd,
         "draft_vocab_coverage": {k: round(v, 4) for k, v in coverage.items()},
         "steps": args.steps,
+        "steps_done": step,
+        "stopped_early": stopped_early,
         "feature_s": round(t_features, 1),
         "train_s_this_run": round(train_s, 1),
         "final_eval": history["eval"][-1] if history["eval"] else None,

@@ -1,4 +1,5 @@
-"""benchmark/bench_heads.py --acceptance: its three prompt sets are outside every head's training data."""
+"""benchmark/bench_heads.py --acceptance: its three prompt sets are outside every head's training data, and its
+decoding loop returns each request's whole output (the engine streams deltas)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ sys.path.insert(0, str(ROOT / "benchmark"))
 
 import bench_heads  # noqa: E402
 import make_eagle_data as med  # noqa: E402
+import pytest  # noqa: E402
 from everyday_prompts import EVERYDAY_PROMPTS  # noqa: E402
+
+from treepage.entrypoints.engine import Engine  # noqa: E402
+from treepage.server_args import ServerArgs  # noqa: E402
 
 
 def test_acceptance_sets_are_held_out_and_varied():
@@ -26,3 +31,17 @@ def test_acceptance_sets_are_held_out_and_varied():
     # The hand-written subset spreads over the whole list (every kind), not just its first entries.
     picked = [EVERYDAY_PROMPTS.index(q) for q in sets["everyday"]]
     assert picked == sorted(set(picked)) and picked[-1] >= len(EVERYDAY_PROMPTS) - 3
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_decode_set_returns_whole_outputs(tiny_llama_dir, group):
+    prompts = [[5, 9, 33, 40], [7, 7, 8], [60, 61, 62, 63, 64], [12, 20]]
+    args = ServerArgs(model_path=tiny_llama_dir, dtype="float32", log_level="warning")
+    with Engine(args) as engine:
+        got = bench_heads.decode_set(engine, prompts, 12, 0.0, group)
+        want = [
+            engine.generate(input_ids=p, sampling_params={"temperature": 0, "max_new_tokens": 12})["output_ids"]
+            for p in prompts
+        ]
+    assert got["outputs"] == want and all(len(o) > 1 for o in want)
+    assert got["accept_len"] is None  # no speculation, no rounds

@@ -143,6 +143,13 @@ def test_responses_are_plain_greedy_and_reruns_resume(tmp_path):
     assert manifest["sources"]["sharegpt"]["complete_conversations"] == complete
     assert manifest["decoding"].startswith("plain greedy")
     med.main(argv)  # resumes: nothing is generated twice
+    # A plan written where the data set is (--plan-only) generates the same records elsewhere (--plan).
+    med.main(["--out", str(tmp_path / "plan"), "--plan-only", *argv[2:]])
+    planned = med.main(["--out", str(tmp_path / "from-plan"), "--plan", str(tmp_path / "plan" / "plan.json"),
+                        "--max-new-tokens", "6", "--dtype", "float32", "--batch-size", "2"])  # fmt: skip
+    assert planned["sources"] == manifest["sources"] and planned["planned"] == manifest["planned"]
+    for s in ("train", "heldout", "heldout_old"):
+        assert (tmp_path / "from-plan" / f"{s}.jsonl").read_text() == (out / f"{s}.jsonl").read_text()
     recs = [
         json.loads(line) for s in ("train", "heldout", "heldout_old") for line in open(out / f"{s}.jsonl")
     ]

@@ -133,8 +133,15 @@ def test_training_resumes_exactly_and_writes_a_loadable_head(tiny_llama3_dir, tm
     straight = run("a")
     run("b", "--steps", "2")
     run("b", "--resume")
+    # A time budget spent before the first step: evaluated, saved, and a resume ends where a straight run does.
+    cut = run("c", "--max-minutes", "0")
+    assert cut["stopped_early"] and cut["steps_done"] == 0 and cut["final_eval"]["step"] == 0
+    assert not straight["stopped_early"] and straight["steps_done"] == 4
+    run("c", "--resume")
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    c = load_file(tmp_path / "c" / "model.safetensors")
+    assert a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(a[n], b[n]) and torch.equal(a[n], c[n]) for n in a)
     assert (tmp_path / "a.png").stat().st_size > 0 and straight["final_eval"]["step"] == 4
     assert len(straight["final_eval"]["heldout_old"]["acc"]) == 2  # the second domain is evaluated too
     assert straight["heldout_records"] == {"heldout": 2, "heldout_old": 2}
