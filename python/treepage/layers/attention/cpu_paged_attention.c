@@ -25,7 +25,10 @@
 #define QTILE 16      /* queries per task */
 #define RT 4          /* rows per register tile */
 #define MIN_CHUNK 256 /* smallest KV chunk worth a task of its own */
-#define PARALLEL_WORK 1024 /* KV positions x query tiles below which a call runs single-threaded */
+/* KV positions x query tokens x bytes per K/V value below which a call runs on the calling thread alone: under
+ * OMP_WAIT_POLICY=PASSIVE (the server's setting) waking the pool costs 50-100 us, more than one decode query over
+ * ~3,000 bf16 or ~1,500 fp32 positions takes on one thread (docs/benchmarks_context.md, run 11). */
+#define PARALLEL_LOAD 6144
 #define PREFETCH 1     /* blocks ahead whose slot rows are prefetched (into L2) */
 #define NEG (-1e30f)  /* finite "minus infinity": masked scores never reach exp */
 
@@ -470,10 +473,13 @@ int paged_attention(const void *q, int q_bf16, const void *k_cache, const void *
               mask_kind, mask, mask_start, Hq, Hkv, D, scale};
     while ((1 << a.page_shift) < P) a.page_shift++; /* P is a power of two (the allocator checks) */
     /* KV chunk length: at least MIN_CHUNK, short enough for ~4 tasks per thread over the whole batch. */
-    int64_t work = 0;
-    for (int b = 0; b < B; b++) work += (int64_t)kv_len[b] * ((q_start[b + 1] - q_start[b] + QTILE - 1) / QTILE);
+    int64_t work = 0, load = 0;
+    for (int b = 0; b < B; b++) {
+        work += (int64_t)kv_len[b] * ((q_start[b + 1] - q_start[b] + QTILE - 1) / QTILE);
+        load += (int64_t)kv_len[b] * (q_start[b + 1] - q_start[b]);
+    }
     /* Small calls stay on this thread: waking the pool costs more than they do (and much more on a busy host). */
-    const int parallel = nthreads > 1 && work >= PARALLEL_WORK;
+    const int parallel = nthreads > 1 && load * (kv_bf16 ? 2 : 4) >= PARALLEL_LOAD;
     int64_t chunk = (work + 4 * (int64_t)nthreads - 1) / (4 * (int64_t)nthreads);
     chunk = chunk < MIN_CHUNK ? MIN_CHUNK : (chunk + BLK - 1) / BLK * BLK;
     int64_t ntasks = 0, ngroups = 0;
