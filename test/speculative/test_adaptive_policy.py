@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections import Counter
 
 import pytest
@@ -31,6 +32,7 @@ from treepage.speculative.adaptive import (
     default_candidates,
     load_table,
     save_table,
+    weights_fingerprint,
 )
 
 BIG, MID, CHAIN, ONE = TreeShape(4, 4, 16), TreeShape(3, 2, 6), TreeShape(3, 1, 4), TreeShape(1, 1, 2)
@@ -442,3 +444,22 @@ def test_round_clock_laps_one_batch_only():
     assert clock.lap(["a"]) is None  # the batch changed
     clock.reset()
     assert clock.lap(["a"]) is None
+
+
+def test_cache_key_follows_the_weights_not_only_the_path(tmp_path):
+    """A head replaced in place keys a new calibration table (its accept priors belong to the old head)."""
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    w = head / "model.safetensors"
+    w.write_bytes(b"a" * 10)
+    first = weights_fingerprint(str(head))
+    assert first.startswith(str(head)) and "model.safetensors:10:" in first
+    (head / "config.json").write_text('{"x": 1}')  # not a weight file
+    assert weights_fingerprint(str(head)) == first
+    w.write_bytes(b"b" * 11)
+    assert weights_fingerprint(str(head)) != first
+    os.utime(w, ns=(1, 1))
+    single = weights_fingerprint(str(w))  # a single-file checkpoint (GGUF) is its own weight file
+    assert single == f"{w} [model.safetensors:11:1]"
+    assert weights_fingerprint("") == ""

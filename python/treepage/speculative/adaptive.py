@@ -230,6 +230,20 @@ def cache_key(
     }
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+
+
+def weights_fingerprint(path: str) -> str:
+    """A checkpoint path plus the size and modification time of its weight files: a head replaced in place (a new
+    shipped head, a retrained one) keys a new table instead of inheriting the old head's accept-length priors."""
+    if not path:
+        return path
+    p = Path(path)
+    files = [p] if p.is_file() else sorted(f for f in p.glob("*") if f.suffix in WEIGHT_SUFFIXES)
+    stats = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files if f.is_file()]
+    return f"{path} [{' '.join(stats)}]" if stats else path
+
+
 def default_cache_path(key: dict[str, str]) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     root = os.environ.get("TREEPAGE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "treepage")

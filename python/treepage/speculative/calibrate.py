@@ -1,7 +1,8 @@
 """Start-up calibration of adaptive speculation: time one round of every candidate shape (and OFF) at a few
 batch sizes on the machine the server runs on, and record the accept length each shape reaches on a few chat
-prompts over their first ~100 tokens (the prior of the online estimate). The result is cached in a JSON file keyed by model, draft, device, dtype and
-torch version, so a restart reuses it (docs/design.md, "Adaptive speculation").
+prompts over their first ~100 tokens (the prior of the online estimate). The result is cached in a JSON file keyed
+by model, draft (their weight files included), device, dtype and torch version, so a restart reuses it and a
+replaced head does not (docs/design.md, "Adaptive speculation").
 
 The rounds run on rows borrowed from the shared pools before the scheduler starts; everything is returned.
 """
@@ -33,6 +34,7 @@ from treepage.speculative.adaptive import (
     maximal_shapes,
     on_segment,
     save_table,
+    weights_fingerprint,
 )
 from treepage.speculative.eagle_worker import EagleWorker, SpecDebugCounters
 
@@ -71,8 +73,8 @@ def table_key(worker: EagleWorker, args: ServerArgs, dtype: torch.dtype) -> dict
         f"backend={args.attention_backend} shapes={shapes}"
     )
     return cache_key(
-        args.model_path or "",
-        args.speculative_draft_model_path or "",
+        weights_fingerprint(args.model_path or ""),
+        weights_fingerprint(args.speculative_draft_model_path or ""),
         device_name(worker.device),
         str(dtype).replace("torch.", ""),
         torch.__version__,
