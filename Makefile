@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup serve test test-fast lint bench clean train-heads train-heads-chat
+.PHONY: setup serve test test-fast lint bench clean train-heads
 
 $(STAMP): pyproject.toml requirements.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -39,18 +39,15 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV)
 
-# Data generation + training of the shipped draft heads for the default model; CPU or GPU (docs/training.md):
-# the template recipe (CPython help topics + everyday subjects), both heads.
+# Data generation + training of the shipped draft heads for the default model; CPU or GPU (docs/training.md).
+# EAGLE-3: ShareGPT first turns + 60 % template prompts, fp32 greedy labels, an 8,192-token draft vocabulary.
+# EAGLE: the template recipe (CPython help topics + everyday subjects).
 train-heads: $(STAMP)
+	$(PY) scripts/make_eagle_data.py --out build/eagle-chat --num-train 870 --num-heldout 146 \
+		--num-old-train 1280 --old-frac 0.6 --max-new-tokens 128 --dtype float32
+	$(PY) scripts/train_eagle.py --algorithm EAGLE3 --data build/eagle-chat --draft-vocab-size 8192 \
+		--steps 1300 --eval-every 325 --ckpt-every 325 --loss-png docs/eagle3_loss.png
 	$(PY) scripts/make_eagle_data.py --out build/eagle --sharegpt none --num-train 0 --num-heldout 0 \
 		--num-old-train 1280 --max-new-tokens 128
-	$(PY) scripts/train_eagle.py --algorithm EAGLE3 --data build/eagle --heldout heldout_old \
-		--loss-png docs/eagle3_loss.png
 	$(PY) scripts/train_eagle.py --algorithm EAGLE --data build/eagle --heldout heldout_old \
 		--loss-png docs/eagle_loss.png
-
-# The chat recipe (ShareGPT first turns + 15 % templates) for EAGLE-3, into build/ (not shipped: docs/training.md).
-train-heads-chat: $(STAMP)
-	$(PY) scripts/make_eagle_data.py --out build/eagle-chat
-	$(PY) scripts/train_eagle.py --algorithm EAGLE3 --data build/eagle-chat --steps 550 \
-		--out build/eagle-chat/head-eagle3 --loss-png build/eagle-chat/eagle3_loss.png
