@@ -42,22 +42,13 @@ from common import (  # noqa: E402
     write_results,
 )
 
-from treepage.arg_groups import cpu_features, dtype_choice, parse_cpuinfo_features  # noqa: E402
+from treepage.arg_groups import cpu_features, dtype_choice  # noqa: E402
 from treepage.entrypoints.engine import Engine  # noqa: E402
 from treepage.layers.attention import torch_native_backend  # noqa: E402
 from treepage.server_args import ServerArgs  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHORT = {"float32": "fp32", "bfloat16": "bf16"}
-
-
-def cpuinfo_flags() -> set[str]:
-    """The kernel's CPU flags (what `lscpu` prints), next to torch's probe."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(parse_cpuinfo_features(f.read()))
-    except OSError:
-        return set()
 
 
 class Timer:
@@ -390,7 +381,6 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {
         "machine": machine_info(),
         "cpu_features": sorted(k for k, v in features.items() if v),  # torch's run-time probe
-        "cpuinfo_flags": sorted(cpuinfo_flags()),
         "auto_dtype": str(auto.dtype).removeprefix("torch."),
         "auto_dtype_reason": auto.reason,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from common import cpu_info
 
 from treepage.mem_cache.allocator import PagedAllocator
 from treepage.mem_cache.memory_pool import KVPool, ReqToTokenPool
@@ -168,6 +169,7 @@ def main() -> None:
     meta = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__,
+        "host": cpu_info(),
         "pool": {"layers": LAYERS, "kv_heads": HEADS, "head_dim": DIM, "dtype": str(DTYPE)},
         "P": P,
         "K": K,

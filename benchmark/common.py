@@ -79,27 +79,33 @@ def code_version() -> dict[str, Any]:
     }
 
 
-def machine_info() -> dict[str, Any]:
-    """What the numbers were measured on (the docs quote this)."""
-    cpu = "unknown"
-    flags: set[str] = set()
+def cpu_info() -> dict[str, Any]:
+    """The host CPU: model name, logical CPUs and the kernel's feature flags (what `lscpu` prints). Every result
+    records it, GPU runs included: the host runs the engine's Python and, on a GPU, sets its pace."""
+    from treepage.arg_groups import parse_cpuinfo_features
+
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and cpu == "unknown":
-                    cpu = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
+            text = f.read()
     except OSError:
-        pass
+        text = ""
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "unknown")
+    return {"cpu_model": model, "nproc": os.cpu_count(), "cpu_flags": sorted(parse_cpuinfo_features(text))}
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on (the docs quote this)."""
+    cpu = cpu_info()
+    flags = set(cpu["cpu_flags"])
     import transformers
 
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "nproc": os.cpu_count(),
-        "cpu_model": cpu,
+        "nproc": cpu["nproc"],
+        "cpu_model": cpu["cpu_model"],
         "avx512_bf16": "avx512_bf16" in flags,
         "amx_bf16": "amx_bf16" in flags,
+        "cpu_flags": cpu["cpu_flags"],
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "transformers": transformers.__version__,

@@ -28,6 +28,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmark"))
+from common import cpu_info  # noqa: E402
+
 # Fast files first: the kernel file compiles ~100 Triton variants and is the one most likely to hit the limit.
 TESTS = [
     "test/speculative/test_tail_dup.py",
@@ -336,12 +339,13 @@ def environment() -> dict:
         "torch": torch.__version__,
         "triton": triton_version,
         "cuda": torch.version.cuda,
+        **cpu_info(),  # the host: on a GPU the engine's Python sets the pace (docs/benchmarks_gpu.md)
     }
 
 
 def markdown(env: dict, stages: list[Stage]) -> str:
     lines = ["# gpu_all", "", "| key | value |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in env.items()]
+    lines += [f"| {k} | {v} |" for k, v in env.items() if k != "cpu_flags"]  # the flags: in summary.json
     lines += ["", "| stage | status | seconds | notes |", "|---|---|---|---|"]
     for st in stages:
         notes = st.detail.get("last_line") or (f"{st.detail['cases']} cases" if "cases" in st.detail else "")

@@ -19,6 +19,8 @@ def test_gpu_all_smoke_writes_e2e_summary(tmp_path: Path) -> None:
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["summary.json", "summary.md"]
     summary = json.loads((tmp_path / "summary.json").read_text())
+    host = summary["env"]  # the host CPU is part of every result, GPU runs included
+    assert host["cpu_model"] and host["nproc"] == os.cpu_count() and isinstance(host["cpu_flags"], list)
     stages = {s["name"]: s for s in summary["stages"]}
     assert stages["pytest"]["status"].startswith("skipped")
     assert stages["e2e"]["status"] == "ok"

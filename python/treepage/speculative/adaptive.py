@@ -240,7 +240,7 @@ def weights_fingerprint(path: str) -> str:
         return path
     p = Path(path)
     files = [p] if p.is_file() else sorted(f for f in p.glob("*") if f.suffix in WEIGHT_SUFFIXES)
-    stats = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files if f.is_file()]
+    stats = [f"{f.name}:{st.st_size}:{st.st_mtime_ns}" for f in files if f.is_file() for st in (f.stat(),)]
     return f"{path} [{' '.join(stats)}]" if stats else path
 
 
