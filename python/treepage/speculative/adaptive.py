@@ -52,6 +52,7 @@ OFF = TreeShape(0, 1, 1)
 # One draft token: a sub-tree of every speculative round (the root's most likely child), so every greedy round
 # says what it would have emitted. Its excess over one token is the policy's measure of the traffic.
 ONE_DRAFT = TreeShape(1, 1, 2)
+LONG_HIT_SPAN = 10.0  # the long-run traffic estimate averages over this many times more request-rounds than h
 RATIO_EMA = 0.02  # weight of one round in a shape's excess ratio (a property of the shape more than of the text)
 TIME_PRIOR_ROUNDS = 2.0  # seconds calibrated at this very batch size count as this many served rounds
 DERIVED_PRIOR_ROUNDS = 0.5  # an estimate derived from other batch sizes (interpolated, extrapolated, carried)
@@ -122,7 +123,11 @@ class AdaptiveConfig:
     candidates: list[TreeShape]
     include_off: bool = True
     hysteresis: float = 0.05  # switch only when the best shape beats the current one by this fraction
-    ema: float = 0.1  # weight of one round in the traffic's estimate (the one-draft excess)
+    ema: float = 0.1  # weight of one served round in a shape's round-time estimates
+    # weight of one request's round in the traffic's estimate (the one-draft excess): per request, not per round,
+    # so a batch-1 round (one request's hit or miss, nearly unpredictable from the rounds before it) moves the
+    # estimate as little as one request of a batch-16 round does; a faster one chases noise (docs/design.md)
+    hit_ema: float = 0.05
     prior_rounds: float = 4.0  # the calibration prior counts as this many rounds before the averages take over
     probe_every: int = 32  # rounds between probes of another candidate (refreshes its estimates)
     explore_rounds: int = 4  # at start-up each candidate serves this many rounds, so served times exist
@@ -130,6 +135,11 @@ class AdaptiveConfig:
     # this fraction of the chosen shape's (a new load level is measured in its first rounds, not 32 later); the
     # periodic probes of lower-ranked candidates keep to the same margin
     probe_margin: float = 0.7
+    # a periodic probe also waits until the rounds since the last one have set aside this share of their time for
+    # its expected loss (what the probed shape's round costs beyond the chosen shape's time for the same tokens);
+    # a lower-ranked pick that cannot wait its turn out gives it up: cheap probes keep to probe_every, dear ones
+    # (a tree at batch 16 while OFF serves) come rarer or not at all
+    probe_budget: float = 0.01
 
     @staticmethod
     def load(path: str, configured: TreeShape) -> AdaptiveConfig:
@@ -142,10 +152,12 @@ class AdaptiveConfig:
             "include_off",
             "hysteresis",
             "ema",
+            "hit_ema",
             "prior_rounds",
             "probe_every",
             "explore_rounds",
             "probe_margin",
+            "probe_budget",
         }
         unknown = set(raw) - known
         if unknown:
@@ -288,8 +300,8 @@ class AdaptivePolicy:
     """argmax over candidates of E[accept] * B / t_round(shape, B), with hysteresis and occasional probes.
 
     E[accept] (tokens emitted per request-round: accepted drafts + the bonus token; OFF emits exactly one) is
-    1 + rho(shape) * h. h, the traffic, is an EMA over every speculative round of the one-draft excess (how often
-    the target takes the draft's most likely first token): every greedy round of any shape knows it
+    1 + rho(shape) * h. h, the traffic, is an EMA over the requests of every speculative round of the one-draft
+    excess (how often the target takes the draft's most likely first token; `hit_ema` per request-round): every greedy round of any shape knows it
     (eagle_verify.subtree_accept_len of ONE_DRAFT), so it tracks the text whatever is served. rho(shape) is the
     shape's excess over one token per unit of h, a slow ratio of averages over the rounds where the shape's
     accept length is known in the same round: rounds it served, and greedy rounds of any shape that contains it
@@ -321,8 +333,9 @@ class AdaptivePolicy:
         hit0 = table.prior_accept.get(ONE_DRAFT.label)
         hit0 = max(hit0 - 1.0, MIN_PRIOR_EXCESS) if hit0 is not None else min(excess.values(), default=0.5)
         k = config.prior_rounds
-        self.hit = hit0  # h: the one-draft excess of the recent rounds
-        self.hit_rounds = 0
+        self.hit = hit0  # h: the one-draft excess of the recent request-rounds
+        self.hit_samples = 0  # request-rounds behind h
+        self.hit_long = hit0  # the same, LONG_HIT_SPAN times slower: where h returns to while OFF serves
         # rho = num / den: averages of the shape's excess and of the one-draft excess over the same rounds
         self.ratio_num = dict(excess)
         self.ratio_den = dict.fromkeys(spec, hit0)
@@ -338,6 +351,7 @@ class AdaptivePolicy:
         self.current: TreeShape = self.candidates[0]
         self._since_probe = 0
         self._probes = 0
+        self._probe_credit = 0.0  # seconds set aside for the next periodic probe's expected loss
         self.last_served: dict[TreeShape, int] = dict.fromkeys(self.candidates, -1)  # the round it last ran
         self._level = 0  # the batch size of the current load level, and the rounds served at it in a row
         self._level_rounds = 0
@@ -416,15 +430,26 @@ class AdaptivePolicy:
             )
             self.current = chosen
         self._since_probe += 1
+        self._probe_credit += self.config.probe_budget * self.seconds(chosen, batch_size)
         settled = self._level_rounds >= SETTLE_ROUNDS and self._same_level(batch_size)
         measured = settled and self._served_near(chosen, batch_size)
         rival = self._unmeasured_rival(chosen, batch_size) if measured else None
         if rival is not None:  # a new load level: measure the close contenders there before settling
             chosen = rival
         elif self.config.probe_every > 0 and self._since_probe >= self.config.probe_every:
-            self._since_probe = 0
-            chosen = self._probe(chosen, batch_size)
+            probe = self._probe(chosen, batch_size)
+            if self._probe_credit >= self.probe_loss(probe, chosen, batch_size):
+                self._since_probe, self._probe_credit = 0, 0.0
+                self._probes += 1
+                chosen = probe
+            elif probe != self._runner_up(chosen, batch_size):  # a dear pick of the rotation gives up its turn
+                self._since_probe = 0
+                self._probes += 1
         return self._serve(chosen)
+
+    def probe_loss(self, probe: TreeShape, chosen: TreeShape, batch: int) -> float:
+        """Expected seconds a round of `probe` costs beyond what `chosen` takes to emit the same tokens."""
+        return max(0.0, self.seconds(probe, batch) - self.accept[probe] * batch / self.rate(chosen, batch))
 
     def _serve(self, shape: TreeShape) -> TreeShape:
         self.rounds[shape.label] += 1
@@ -438,12 +463,15 @@ class AdaptivePolicy:
         others = sorted((c for c in self.candidates if c != chosen), key=lambda c: -self.rate(c, batch))
         if not others:
             return chosen
-        self._probes += 1
         close = self._within_margin(chosen, batch)
         rest = [c for c in others[1:] if c in close]
-        if self._probes % 2 == 1 or not rest:
+        if self._probes % 2 == 0 or not rest:
             return others[0]
         return min(rest, key=lambda c: self.last_served[c])
+
+    def _runner_up(self, chosen: TreeShape, batch: int) -> TreeShape:
+        others = [c for c in self.candidates if c != chosen]
+        return max(others, key=lambda c: self.rate(c, batch)) if others else chosen
 
     def sub_shapes(self, shape: TreeShape) -> list[TreeShape]:
         return sub_shapes(self.candidates, shape)
@@ -477,7 +505,12 @@ class AdaptivePolicy:
         self.timed[shape] += 1
         ratio = log_s - math.log(self.table.seconds(shape, batch))
         self.log_time_scale[shape] = (1 - w) * self.log_time_scale[shape] + w * ratio
-        if shape.is_off or not accept_lens:
+        if shape.is_off:  # no draft ran: h, stale, returns towards the long-run traffic at the rate it learns
+            w = 1.0 - (1.0 - self.config.hit_ema) ** batch
+            self.hit = (1 - w) * self.hit + w * self.hit_long
+            self._refresh_accept()
+            return
+        if not accept_lens:
             return
         self._observe_accept(shape, accept_lens, counterfactual or {})
 
@@ -504,9 +537,14 @@ class AdaptivePolicy:
         else:  # no greedy request: the served shape's own excess, through its ratio
             hit = excess(accept_lens) / max(self.rho(shape), 1e-6)
             self.observed[shape] += 1
-        w = self._weight(self.hit_rounds, self.config.prior_rounds)
-        self.hit_rounds += 1
+        # `hit` is the mean over the round's n requests: n samples, a running mean with the prior until an EMA
+        n = len(ref) if ref else len(accept_lens)
+        k = self.config.prior_rounds
+        w = max(1.0 - (1.0 - self.config.hit_ema) ** n, n / (k + self.hit_samples + n))
+        w_long = max(1.0 - (1.0 - self.config.hit_ema / LONG_HIT_SPAN) ** n, n / (k + self.hit_samples + n))
+        self.hit_samples += n
         self.hit = (1 - w) * self.hit + w * hit
+        self.hit_long = (1 - w_long) * self.hit_long + w_long * hit
         self._refresh_accept()
 
     def rho(self, shape: TreeShape) -> float:
