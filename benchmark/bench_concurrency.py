@@ -3,11 +3,11 @@ all real `launch_server` processes driven by the official openai client with str
 at several concurrency levels.
 
     python benchmark/bench_concurrency.py [--concurrency 1 2 4 8] [--requests 2] [--reps 1] [--max-tokens 64]
-        [--prompts sharegpt|everyday|templates]
+        [--prompts sharegpt|old|everyday]
 
 Every server gets the same chat requests, none of which the shipped heads were trained on: ShareGPT first turns
-from the held-out conversations (the default: real traffic), the hand-written everyday requests
-(benchmark/everyday_prompts.py), or the template domain's held-out questions (runs 1-20 used these); `c` streams in
+from the held-out conversations (the default: real traffic), the template domain's held-out questions ("old";
+runs 1-20 used these), or the hand-written everyday requests (common.prompt_sets, as bench_heads.py); `c` streams in
 flight at a time, `max(--requests, c)` requests per level, greedy, exactly --max-tokens tokens each (ignore_eos).
 Each server serves a level `--reps` times, the order of the servers reversed on every pass (a burst of load from
 elsewhere on a shared machine then falls on different servers). Output tok/s = completion tokens / wall time,
@@ -31,14 +31,19 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "scripts"))
 sys.path.insert(0, str(HERE.parent / "test"))
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-from common import ensure_passive_omp, machine_info, machine_line, print_table, write_results  # noqa: E402
-from everyday_prompts import EVERYDAY_PROMPTS  # noqa: E402
-from make_eagle_data import heldout_questions, sharegpt_heldout_questions  # noqa: E402
+from common import (  # noqa: E402
+    PROMPT_SET_NAMES,
+    ensure_passive_omp,
+    machine_info,
+    machine_line,
+    print_table,
+    prompt_sets,
+    write_results,
+)
 
 from server_utils import launch_server  # noqa: E402
 from treepage.arg_groups.speculative import DEFAULT_SERVER_TREE  # noqa: E402
@@ -61,13 +66,6 @@ def servers() -> dict[str, list[str]]:
             "--speculative-num-draft-tokens", str(c.draft_tokens),
         ]  # fmt: skip
     return out
-
-
-PROMPT_SETS = {
-    "sharegpt": sharegpt_heldout_questions,
-    "everyday": lambda n: [EVERYDAY_PROMPTS[i % len(EVERYDAY_PROMPTS)] for i in range(n)],
-    "templates": heldout_questions,
-}
 
 
 def stream_one(client: openai.OpenAI, question: str, max_tokens: int) -> dict:
@@ -175,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--requests", type=int, default=2, help="requests per level (at least the concurrency)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=1, help="passes per level and server, the order alternating")
-    ap.add_argument("--prompts", choices=sorted(PROMPT_SETS), default="sharegpt", help="the requests' source")
+    ap.add_argument("--prompts", choices=PROMPT_SET_NAMES, default="sharegpt", help="the requests' source")
     ap.add_argument("--name", default="concurrency_cpu")
     ap.add_argument("--plot", default=str(DOCS / "bench_concurrency.png"))
     ap.add_argument(
@@ -185,7 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
     ensure_passive_omp()
 
     flags = {k: v for k, v in servers().items() if args.servers is None or k in args.servers or k == DEFAULT}
-    questions = PROMPT_SETS[args.prompts](max(max(args.concurrency), args.requests) + 1)
+    n = max(max(args.concurrency), args.requests) + 1
+    questions = prompt_sets([args.prompts], n)[args.prompts]
     recorded = vars(args) | {"plot": os.path.relpath(args.plot, HERE.parent)}
     results: dict = {"machine": machine_info(), "args": recorded, "servers": flags, "runs": {}}
     with ExitStack() as stack, tempfile.TemporaryDirectory() as logs:

@@ -35,11 +35,11 @@ from common import (  # noqa: E402
     machine_line,
     print_table,
     profile_decode,
+    prompt_sets,
     run_requests,
     write_results,
 )
-from everyday_prompts import EVERYDAY_PROMPTS  # noqa: E402
-from make_eagle_data import heldout_questions, sharegpt_heldout_questions  # noqa: E402
+from make_eagle_data import heldout_questions  # noqa: E402
 
 from treepage.arg_groups.speculative import DEFAULT_SERVER_TREE  # noqa: E402
 from treepage.entrypoints.engine import CumulativeOutput, Engine  # noqa: E402
@@ -143,18 +143,6 @@ def profile(args, spec: tuple[str, int, int, int], prompts: list[list[int]]) -> 
         rows,
     )
     return {"config": f"{algo}:{S},{K},{N}", "runs": out}
-
-
-def prompt_sets(names: list[str], n: int) -> dict[str, list[str]]:
-    """The first n prompts of each named set (all sets are outside every head's training data)."""
-    make = {
-        "sharegpt": lambda: sharegpt_heldout_questions(n),
-        "old": lambda: heldout_questions(n),
-        "everyday": lambda: [
-            EVERYDAY_PROMPTS[i * len(EVERYDAY_PROMPTS) // n] for i in range(n)
-        ],  # every kind
-    }
-    return {name: make[name]() for name in names}
 
 
 def decode_set(

@@ -132,6 +132,27 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+PROMPT_SET_NAMES = ("sharegpt", "old", "everyday")
+
+
+def prompt_sets(names: Sequence[str], n: int) -> dict[str, list[str]]:
+    """The first n prompts of each named set, all outside every head's training data: ShareGPT first turns of the
+    held-out conversations, the template domain's held-out questions ("old"), and the hand-written everyday
+    requests (benchmark/everyday_prompts.py) spread over every kind."""
+    scripts = str(Path(__file__).resolve().parent.parent / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    from everyday_prompts import EVERYDAY_PROMPTS
+    from make_eagle_data import heldout_questions, sharegpt_heldout_questions
+
+    make = {
+        "sharegpt": lambda: sharegpt_heldout_questions(n),
+        "old": lambda: heldout_questions(n),
+        "everyday": lambda: [EVERYDAY_PROMPTS[i * len(EVERYDAY_PROMPTS) // n] for i in range(n)],
+    }
+    return {name: make[name]() for name in names}
+
+
 def chat_ids(tokenizer, question: str) -> list[int]:
     from treepage.managers.tokenizer import apply_chat_template
 

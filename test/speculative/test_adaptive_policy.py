@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import random
 from collections import Counter
 
 import pytest
@@ -469,8 +470,6 @@ def test_cache_key_follows_the_weights_not_only_the_path(tmp_path):
 def simulate_batch_one(seed: int, hit: float, rounds: int = 2000, **kw) -> float:
     """Batch-1 rounds on text whose drafts are accepted level by level with probability `hit`, independently each
     round; the policy's tokens/s over the best expected tokens/s of any fixed candidate (OFF included)."""
-    import random
-
     p = AdaptivePolicy(AdaptiveConfig([BIG, MID, CHAIN, ONE], **kw), table())
     rng = random.Random(seed)
     tokens, seconds = 0, 0.0

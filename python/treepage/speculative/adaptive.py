@@ -176,6 +176,11 @@ class AdaptiveConfig:
         return cfg
 
 
+def ema_weight(per_sample: float, samples: int) -> float:
+    """The weight of `samples` new samples together in an EMA of weight `per_sample` each."""
+    return 1.0 - (1.0 - per_sample) ** samples
+
+
 def on_segment(pts: list[tuple[int, float]], batch: int) -> float:
     """The line through the two measured (batch size, seconds) points around `batch` (sorted, at least two; below
     the first point, the first segment's line)."""
@@ -301,13 +306,13 @@ class AdaptivePolicy:
 
     E[accept] (tokens emitted per request-round: accepted drafts + the bonus token; OFF emits exactly one) is
     1 + rho(shape) * h. h, the traffic, is an EMA over the requests of every speculative round of the one-draft
-    excess (how often the target takes the draft's most likely first token; `hit_ema` per request-round): every greedy round of any shape knows it
-    (eagle_verify.subtree_accept_len of ONE_DRAFT), so it tracks the text whatever is served. rho(shape) is the
-    shape's excess over one token per unit of h, a slow ratio of averages over the rounds where the shape's
-    accept length is known in the same round: rounds it served, and greedy rounds of any shape that contains it
-    (`sub_shapes`). Paired on the same rounds, rho does not depend on which stretch of text the shape happened
-    to be served on; the calibration prior counts as `prior_rounds` rounds of each. t_round(shape, B) is an EMA
-    (in log space, so one slow outlier does not dominate) of the laps (eagle_worker.RoundClock) of the rounds
+    excess (how often the target takes the draft's most likely first token; `hit_ema` per request-round): every
+    greedy round of any shape knows it (eagle_verify.subtree_accept_len of ONE_DRAFT), so it tracks the text
+    whatever is served. rho(shape) is the shape's excess over one token per unit of h, a slow ratio of averages
+    over the rounds where the shape's accept length is known in the same round: rounds it served, and greedy
+    rounds of any shape that contains it (`sub_shapes`). Paired on the same rounds, rho does not depend on which
+    stretch of text the shape happened to be served on; the calibration prior counts as `prior_rounds` rounds of
+    each (of h: request-rounds). t_round(shape, B) is an EMA (in log space, so one slow outlier does not dominate) of the laps (eagle_worker.RoundClock) of the rounds
     served with that shape at that batch size, starting from the calibrated table times a per-shape scale
     learnt the same way at any batch size: a calibration disturbed by other processes, or serving conditions
     it did not see (the overlap thread next to the scheduler, longer contexts), is corrected within a few
@@ -317,7 +322,9 @@ class AdaptivePolicy:
     `probe_margin` of the chosen shape's (ranked below the runner-up, a shape whose estimate came out low, say
     from its few start-up rounds, would otherwise never be measured again; one far below is not worth a round).
     A probe also waits until `probe_budget` of the time served since the last one covers its `probe_loss`; a
-    lower-ranked pick that cannot pay gives up its turn (at batch 16 under OFF a tree's probe cost a pass 2-14 %).
+    lower-ranked pick that cannot pay gives up its turn (at batch 16, while OFF served, the probes of the single
+    draft and the trees cost 2-14 % of a pass). While OFF serves no draft runs, so h, stale, returns towards a
+    LONG_HIT_SPAN times slower average of the same samples.
     Before any choice, each candidate serves `explore_rounds` rounds, so every shape's per-shape scale starts
     from served rounds. When the load changes and the new level lasts (SETTLE_ROUNDS), the batch size
     is one no round has been served at: there, a candidate whose estimate comes close to the chosen shape's
@@ -403,9 +410,10 @@ class AdaptivePolicy:
     def _same_level(self, batch: int) -> bool:
         return self._level > 0 and max(batch, self._level) <= 1.5 * min(batch, self._level)
 
-    def _weight(self, n: int, prior_rounds: float) -> float:
-        """A running mean that starts with the prior worth prior_rounds rounds, until it is an EMA."""
-        return max(self.config.ema, 1.0 / (prior_rounds + n + 1))
+    def _weight(self, n: int, prior: float, ema: float | None = None, m: int = 1) -> float:
+        """Weight of m new samples in a running mean that starts with the prior worth `prior` samples and has seen
+        n, until it is an EMA of weight `ema` per sample (default: the round-time EMA, one sample a round)."""
+        return max(ema_weight(self.config.ema if ema is None else ema, m), m / (prior + n + m))
 
     def best(self, batch: int) -> TreeShape:
         """The candidate with the highest expected rate, keeping the current one unless beaten by the margin."""
@@ -439,14 +447,14 @@ class AdaptivePolicy:
         if rival is not None:  # a new load level: measure the close contenders there before settling
             chosen = rival
         elif self.config.probe_every > 0 and self._since_probe >= self.config.probe_every:
-            probe = self._probe(chosen, batch_size)
-            if self._probe_credit >= self.probe_loss(probe, chosen, batch_size):
-                self._since_probe, self._probe_credit = 0, 0.0
-                self._probes += 1
-                chosen = probe
-            elif probe != self._runner_up(chosen, batch_size):  # a dear pick of the rotation gives up its turn
+            probe, rotation = self._probe(chosen, batch_size)
+            paid = self._probe_credit >= self.probe_loss(probe, chosen, batch_size)
+            if paid or rotation:  # the turn is taken, or a dear pick of the rotation gives it up
                 self._since_probe = 0
                 self._probes += 1
+            if paid:
+                self._probe_credit = 0.0
+                chosen = probe
         return self._serve(chosen)
 
     def probe_loss(self, probe: TreeShape, chosen: TreeShape, batch: int) -> float:
@@ -458,22 +466,18 @@ class AdaptivePolicy:
         self.last_served[shape] = self.rounds.total()
         return shape
 
-    def _probe(self, chosen: TreeShape, batch: int) -> TreeShape:
-        """The candidate a periodic probe runs instead of `chosen`: alternately the runner-up and, among the
-        others whose estimate is within the probe margin of the chosen shape's, the one served longest ago
-        (ties: the higher expected rate; none within the margin: the runner-up)."""
+    def _probe(self, chosen: TreeShape, batch: int) -> tuple[TreeShape, bool]:
+        """The candidate a periodic probe runs instead of `chosen`, and whether it is the rotation's pick: turn by
+        turn the runner-up and, among the others whose estimate is within the probe margin of the chosen shape's,
+        the one served longest ago (ties: the higher expected rate; none within the margin: the runner-up)."""
         others = sorted((c for c in self.candidates if c != chosen), key=lambda c: -self.rate(c, batch))
         if not others:
-            return chosen
+            return chosen, False
         close = self._within_margin(chosen, batch)
         rest = [c for c in others[1:] if c in close]
         if self._probes % 2 == 0 or not rest:
-            return others[0]
-        return min(rest, key=lambda c: self.last_served[c])
-
-    def _runner_up(self, chosen: TreeShape, batch: int) -> TreeShape:
-        others = [c for c in self.candidates if c != chosen]
-        return max(others, key=lambda c: self.rate(c, batch)) if others else chosen
+            return others[0], False
+        return min(rest, key=lambda c: self.last_served[c]), True
 
     def sub_shapes(self, shape: TreeShape) -> list[TreeShape]:
         return sub_shapes(self.candidates, shape)
@@ -508,7 +512,7 @@ class AdaptivePolicy:
         ratio = log_s - math.log(self.table.seconds(shape, batch))
         self.log_time_scale[shape] = (1 - w) * self.log_time_scale[shape] + w * ratio
         if shape.is_off:  # no draft ran: h, stale, returns towards the long-run traffic at the rate it learns
-            w = 1.0 - (1.0 - self.config.hit_ema) ** batch
+            w = ema_weight(self.config.hit_ema, batch)
             self.hit = (1 - w) * self.hit + w * self.hit_long
             self._refresh_accept()
             return
@@ -539,11 +543,9 @@ class AdaptivePolicy:
         else:  # no greedy request: the served shape's own excess, through its ratio
             hit = excess(accept_lens) / max(self.rho(shape), 1e-6)
             self.observed[shape] += 1
-        # `hit` is the mean over the round's n requests: n samples, a running mean with the prior until an EMA
-        n = len(ref) if ref else len(accept_lens)
-        k = self.config.prior_rounds
-        w = max(1.0 - (1.0 - self.config.hit_ema) ** n, n / (k + self.hit_samples + n))
-        w_long = max(1.0 - (1.0 - self.config.hit_ema / LONG_HIT_SPAN) ** n, n / (k + self.hit_samples + n))
+        n = len(ref) if ref else len(accept_lens)  # `hit` is the mean over the round's n requests: n samples
+        k, seen, ema = self.config.prior_rounds, self.hit_samples, self.config.hit_ema
+        w, w_long = self._weight(seen, k, ema, n), self._weight(seen, k, ema / LONG_HIT_SPAN, n)
         self.hit_samples += n
         self.hit = (1 - w) * self.hit + w * hit
         self.hit_long = (1 - w_long) * self.hit_long + w_long * hit
