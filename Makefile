@@ -43,10 +43,10 @@ clean:
 # EAGLE-3: ShareGPT first turns + 60 % template prompts, fp32 greedy labels, an 8,192-token draft vocabulary.
 # EAGLE: the template recipe (CPython help topics + everyday subjects).
 train-heads: $(STAMP)
-	$(PY) scripts/make_eagle_data.py --out build/eagle-chat --num-train 870 --num-heldout 146 \
-		--num-old-train 1280 --old-frac 0.6 --max-new-tokens 128 --dtype float32
-	$(PY) scripts/train_eagle.py --algorithm EAGLE3 --data build/eagle-chat --draft-vocab-size 8192 \
-		--steps 1300 --eval-every 325 --ckpt-every 325 --loss-png docs/eagle3_loss.png
+	$(PY) scripts/make_eagle_data.py --out build/eagle-chat2 --num-train 2870 --num-heldout 146 \
+		--num-old-train 1280 --old-frac 0.31 --max-new-tokens 128 --dtype float32 --batch-size 32
+	$(PY) scripts/train_eagle.py --algorithm EAGLE3 --data build/eagle-chat2 --draft-vocab-size 8192 \
+		--steps 1600 --eval-every 400 --ckpt-every 100 --loss-png docs/eagle3_loss.png
 	$(PY) scripts/make_eagle_data.py --out build/eagle --sharegpt none --num-train 0 --num-heldout 0 \
 		--num-old-train 1280 --max-new-tokens 128
 	$(PY) scripts/train_eagle.py --algorithm EAGLE --data build/eagle --heldout heldout_old \
