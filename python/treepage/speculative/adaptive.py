@@ -305,26 +305,26 @@ class AdaptivePolicy:
     """argmax over candidates of E[accept] * B / t_round(shape, B), with hysteresis and occasional probes.
 
     E[accept] (tokens emitted per request-round: accepted drafts + the bonus token; OFF emits exactly one) is
-    1 + rho(shape) * h. h, the traffic, is an EMA over the requests of every speculative round of the one-draft
-    excess (how often the target takes the draft's most likely first token; `hit_ema` per request-round): every
-    greedy round of any shape knows it (eagle_verify.subtree_accept_len of ONE_DRAFT), so it tracks the text
-    whatever is served. rho(shape) is the shape's excess over one token per unit of h, a slow ratio of averages
-    over the rounds where the shape's accept length is known in the same round: rounds it served, and greedy
-    rounds of any shape that contains it (`sub_shapes`). Paired on the same rounds, rho does not depend on which
-    stretch of text the shape happened to be served on; the calibration prior counts as `prior_rounds` rounds of
-    each (of h: request-rounds). t_round(shape, B) is an EMA (in log space, so one slow outlier does not dominate) of the laps (eagle_worker.RoundClock) of the rounds
-    served with that shape at that batch size, starting from the calibrated table times a per-shape scale
-    learnt the same way at any batch size: a calibration disturbed by other processes, or serving conditions
-    it did not see (the overlap thread next to the scheduler, longer contexts), is corrected within a few
-    rounds. A shape that is never chosen would keep stale estimates forever (and OFF would never learn that the
-    traffic became predictable), so every `probe_every` rounds another candidate (OFF included) runs once: in
-    turn the best other one, and the one served longest ago among the rest whose estimate is within
-    `probe_margin` of the chosen shape's (ranked below the runner-up, a shape whose estimate came out low, say
-    from its few start-up rounds, would otherwise never be measured again; one far below is not worth a round).
-    A probe also waits until `probe_budget` of the time served since the last one covers its `probe_loss`; a
-    lower-ranked pick that cannot pay gives up its turn (at batch 16, while OFF served, the probes of the single
-    draft and the trees cost 2-14 % of a pass). While OFF serves no draft runs, so h, stale, returns towards a
-    LONG_HIT_SPAN times slower average of the same samples.
+    1 + rho(shape) * h. h, the traffic, is an EMA over the requests of every speculative round of the one-draft excess
+    (how often the target takes the draft's most likely first token; `hit_ema` per request-round): every greedy
+    round of any shape knows it (eagle_verify.subtree_accept_len of ONE_DRAFT), so it tracks the text whatever is
+    served. rho(shape) is the shape's excess over one token per unit of h, a slow ratio of averages over the rounds
+    where the shape's accept length is known in the same round: rounds it served, and greedy rounds of any shape
+    that contains it (`sub_shapes`). Paired on the same rounds, rho does not depend on which stretch of text the
+    shape happened to be served on; the calibration prior counts as `prior_rounds` rounds of each (of h:
+    request-rounds). t_round(shape, B) is an EMA (in log space, so one slow outlier does not dominate) of the laps
+    (eagle_worker.RoundClock) of the rounds served with that shape at that batch size, starting from the calibrated
+    table times a per-shape scale learnt the same way at any batch size: a calibration disturbed by other processes,
+    or serving conditions it did not see (the overlap thread next to the scheduler, longer contexts), is corrected
+    within a few rounds. A shape that is never chosen would keep stale estimates forever (and OFF would never learn
+    that the traffic became predictable), so every `probe_every` rounds another candidate (OFF included) runs once:
+    in turn the best other one, and the one served longest ago among the rest whose estimate is within
+    `probe_margin` of the chosen shape's (ranked below the runner-up, a shape whose estimate came out low, say from
+    its few start-up rounds, would otherwise never be measured again; one far below is not worth a round). A probe
+    also waits until `probe_budget` of the time served since the last one covers its `probe_loss`; a lower-ranked
+    pick that cannot pay gives up its turn (at batch 16, while OFF served, the probes of the single draft and the
+    trees cost 2-14 % of a pass). While OFF serves no draft runs, so h, stale, returns towards a LONG_HIT_SPAN times
+    slower average of the same samples.
     Before any choice, each candidate serves `explore_rounds` rounds, so every shape's per-shape scale starts
     from served rounds. When the load changes and the new level lasts (SETTLE_ROUNDS), the batch size
     is one no round has been served at: there, a candidate whose estimate comes close to the chosen shape's
