@@ -3,12 +3,16 @@ all real `launch_server` processes driven by the official openai client with str
 at several concurrency levels.
 
     python benchmark/bench_concurrency.py [--concurrency 1 2 4 8] [--requests 2] [--reps 1] [--max-tokens 64]
-        [--prompts sharegpt|old|everyday]
+        [--length-spread 0] [--prompts sharegpt|old|everyday]
 
 Every server gets the same chat requests, none of which the shipped heads were trained on: ShareGPT first turns
 from the held-out conversations (the default: real traffic), the template domain's held-out questions ("old";
 runs 1-20 used these), or the hand-written everyday requests (common.prompt_sets, as bench_heads.py); `c` streams in
 flight at a time, `max(--requests, c)` requests per level, greedy, exactly --max-tokens tokens each (ignore_eos).
+With `--length-spread F` > 0 each request instead gets its own length, drawn once (seeded, the same for every
+server and pass) uniformly from [(1 - F), (1 + F)] x --max-tokens, as in SGLang's bench_serving random lengths:
+fixed lengths keep plain decoding's streams in step (they finish and are prefilled together), which real traffic
+does not.
 Each server serves a level `--reps` times, the order of the servers reversed on every pass (a burst of load from
 elsewhere on a shared machine then falls on different servers). Output tok/s = completion tokens / wall time,
 summed over a server's passes;
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -90,12 +95,28 @@ def stream_one(client: openai.OpenAI, question: str, max_tokens: int) -> dict:
     return {"tokens": tokens, "ttft": arrivals[0] - t0 if arrivals else None, "arrivals": arrivals}
 
 
-def run_level(base_url: str, questions: list[str], concurrency: int, max_tokens: int) -> dict:
-    """One pass over the questions, `concurrency` streams in flight: raw tokens, seconds, ITL gaps and TTFTs."""
+def output_lengths(n: int, max_tokens: int, spread: float, seed: int = 0) -> list[int]:
+    """Each request's output length: all --max-tokens, or uniform in [(1 - spread), (1 + spread)] x max_tokens."""
+    if not 0 <= spread < 1:
+        raise ValueError(f"--length-spread must be in [0, 1), got {spread}")
+    rng = random.Random(seed)
+    lo, hi = round(max_tokens * (1 - spread)), round(max_tokens * (1 + spread))
+    return [rng.randint(lo, hi) if spread else max_tokens for _ in range(n)]
+
+
+def lengths_line(max_tokens: int, spread: float) -> str:
+    if not spread:
+        return f"{max_tokens} tokens per request"
+    return f"{round(max_tokens * (1 - spread))}-{round(max_tokens * (1 + spread))} tokens per request (uniform)"
+
+
+def run_level(base_url: str, requests: list[tuple[str, int]], concurrency: int) -> dict:
+    """One pass over the (question, output length) requests, `concurrency` streams in flight: raw tokens, seconds,
+    ITL gaps and TTFTs."""
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=900, max_retries=0)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        done = list(pool.map(lambda q: stream_one(client, q, max_tokens), questions))
+        done = list(pool.map(lambda r: stream_one(client, *r), requests))
     return {
         "requests": len(done),
         "tokens": sum(d["tokens"] for d in done),
@@ -171,7 +192,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--requests", type=int, default=2, help="requests per level (at least the concurrency)")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (the mean with a spread)")
+    ap.add_argument(
+        "--length-spread", type=float, default=0.0, help="output lengths uniform in (1 -/+ this) x --max-tokens"
+    )
     ap.add_argument("--reps", type=int, default=1, help="passes per level and server, the order alternating")
     ap.add_argument("--prompts", choices=PROMPT_SET_NAMES, default="sharegpt", help="the requests' source")
     ap.add_argument("--name", default="concurrency_cpu")
@@ -185,24 +209,31 @@ def main(argv: list[str] | None = None) -> dict:
     flags = {k: v for k, v in servers().items() if args.servers is None or k in args.servers or k == DEFAULT}
     n = max(max(args.concurrency), args.requests) + 1
     questions = prompt_sets([args.prompts], n)[args.prompts]
+    requests = list(zip(questions, output_lengths(n, args.max_tokens, args.length_spread)))
     recorded = vars(args) | {"plot": os.path.relpath(args.plot, HERE.parent)}
-    results: dict = {"machine": machine_info(), "args": recorded, "servers": flags, "runs": {}}
+    results: dict = {
+        "machine": machine_info(),
+        "args": recorded,
+        "output_lengths": [t for _, t in requests],
+        "servers": flags,
+        "runs": {},
+    }
     with ExitStack() as stack, tempfile.TemporaryDirectory() as logs:
         os.environ["TREEPAGE_CACHE_DIR"] = logs  # the default server calibrates at start-up, as on a fresh machine
         urls = {}
         for i, (name, extra) in enumerate(flags.items()):  # one at a time: start-up (and calibration) alone
             urls[name] = stack.enter_context(launch_server(extra, Path(logs) / f"{i}.log", startup_timeout=600))
         for u in urls.values():
-            run_level(u, questions[-1:], 1, 8)  # warm-up
+            run_level(u, [(questions[-1], 8)], 1)  # warm-up
         for j, c in enumerate(args.concurrency):
-            qs = questions[: max(args.requests, c)]
+            level = requests[: max(args.requests, c)]
             passes: dict[str, list[dict]] = {name: [] for name in urls}
             served: Counter[str] = Counter()  # the default server's rounds per shape at this level
             for rep in range(args.reps):
                 order = list(urls) if (j + rep) % 2 == 0 else list(urls)[::-1]
                 for name in order:
                     before = adaptive_rounds(urls[name]) if name == DEFAULT else {}
-                    passes[name].append(run_level(urls[name], qs, c, args.max_tokens))
+                    passes[name].append(run_level(urls[name], level, c))
                     if name == DEFAULT:
                         served.update(Counter(adaptive_rounds(urls[name])) - Counter(before))
             results["runs"][str(c)] = {name: summarize(p) for name, p in passes.items()}
@@ -230,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append([c, f"**default / best ({vs['best']})**", f"**{vs['ratio']:.3f}** (per pass {each})", "", ""])
     print(machine_line(results["machine"]))
     print_table(
-        f"Output tok/s and median ITL over HTTP (streaming), {args.max_tokens} tokens per request, "
+        f"Output tok/s and median ITL over HTTP (streaming), {lengths_line(args.max_tokens, args.length_spread)}, "
         f"max({args.requests}, c) requests per level, {args.reps} pass(es)",
         ["concurrency", "server", "tok/s", "median ITL ms", "median TTFT ms"],
         rows,
