@@ -181,7 +181,9 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("output tok/s")
-    ax.set_title("Default (adaptive) vs off vs fixed shapes, one run")
+    args = results["args"]  # runs before --length-spread have no spread: fixed lengths
+    lengths = lengths_line(args["max_tokens"], args.get("length_spread", 0.0))
+    ax.set_title(f"Default (adaptive) vs off vs fixed shapes, one run\n{lengths}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
