@@ -95,19 +95,23 @@ def stream_one(client: openai.OpenAI, question: str, max_tokens: int) -> dict:
     return {"tokens": tokens, "ttft": arrivals[0] - t0 if arrivals else None, "arrivals": arrivals}
 
 
-def output_lengths(n: int, max_tokens: int, spread: float, seed: int = 0) -> list[int]:
-    """Each request's output length: all --max-tokens, or uniform in [(1 - spread), (1 + spread)] x max_tokens."""
+def length_range(max_tokens: int, spread: float) -> tuple[int, int]:
+    """The output lengths --length-spread allows: [(1 - spread), (1 + spread)] x max_tokens, rounded."""
     if not 0 <= spread < 1:
         raise ValueError(f"--length-spread must be in [0, 1), got {spread}")
+    return round(max_tokens * (1 - spread)), round(max_tokens * (1 + spread))
+
+
+def output_lengths(n: int, max_tokens: int, spread: float, seed: int = 0) -> list[int]:
+    """Each request's output length, uniform in length_range (all --max-tokens without a spread)."""
+    lo, hi = length_range(max_tokens, spread)
     rng = random.Random(seed)
-    lo, hi = round(max_tokens * (1 - spread)), round(max_tokens * (1 + spread))
-    return [rng.randint(lo, hi) if spread else max_tokens for _ in range(n)]
+    return [rng.randint(lo, hi) for _ in range(n)]
 
 
 def lengths_line(max_tokens: int, spread: float) -> str:
-    if not spread:
-        return f"{max_tokens} tokens per request"
-    return f"{round(max_tokens * (1 - spread))}-{round(max_tokens * (1 + spread))} tokens per request (uniform)"
+    lo, hi = length_range(max_tokens, spread)
+    return f"{max_tokens} tokens per request" if lo == hi else f"{lo}-{hi} tokens per request (uniform)"
 
 
 def run_level(base_url: str, requests: list[tuple[str, int]], concurrency: int) -> dict:
@@ -210,13 +214,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     flags = {k: v for k, v in servers().items() if args.servers is None or k in args.servers or k == DEFAULT}
     n = max(max(args.concurrency), args.requests) + 1
+    lengths = output_lengths(n, args.max_tokens, args.length_spread)  # before the slow part: a bad flag fails here
     questions = prompt_sets([args.prompts], n)[args.prompts]
-    requests = list(zip(questions, output_lengths(n, args.max_tokens, args.length_spread)))
+    requests = list(zip(questions, lengths))
     recorded = vars(args) | {"plot": os.path.relpath(args.plot, HERE.parent)}
     results: dict = {
         "machine": machine_info(),
         "args": recorded,
-        "output_lengths": [t for _, t in requests],
+        "output_lengths": lengths,
         "servers": flags,
         "runs": {},
     }
