@@ -127,7 +127,7 @@ class AdaptiveConfig:
     # weight of one request's round in the traffic's estimate (the one-draft excess): per request, not per round,
     # so a batch-1 round (one request's hit or miss, nearly unpredictable from the rounds before it) moves the
     # estimate as little as one request of a batch-16 round does; a faster one chases noise (docs/design.md)
-    hit_ema: float = 0.05
+    hit_ema: float = 0.01
     prior_rounds: float = 4.0  # the calibration prior counts as this many rounds before the averages take over
     probe_every: int = 32  # rounds between probes of another candidate (refreshes its estimates)
     explore_rounds: int = 4  # at start-up each candidate serves this many rounds, so served times exist
