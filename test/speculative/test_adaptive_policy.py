@@ -512,9 +512,10 @@ def test_batch_one_noise_does_not_drive_the_choice(monkeypatch):
     old = [simulate_batch_one(seed, 0.6, hit_ema=0.1) for seed in range(10)]
     assert sum(new) / 10 >= 0.95 and sum(new) / 10 > sum(old) / 10 + 0.015, (new, old)
 
+
 def test_batch_one_pools_over_requests():
-    """Requests differ (the acceptance level of each drawn around 0.6, sd 0.05, as ShareGPT traffic's rounds
-    suggest), but a request's few dozen rounds say little about its own level: an estimate that spans several
+    """Requests differ (the acceptance level of each drawn around 0.6, sd 0.05, about what the batch-1 trace in
+    docs/design.md "Adaptive speculation" leaves room for), but a request's few dozen rounds say little about its own level: an estimate that spans several
     requests (hit_ema 0.01 per request-round) chooses better than one that follows the current request (0.05)."""
     pooled = [simulate_batch_one(seed, 0.6, 0.05, rounds=3000) for seed in range(10)]
     following = [simulate_batch_one(seed, 0.6, 0.05, rounds=3000, hit_ema=0.05) for seed in range(10)]
