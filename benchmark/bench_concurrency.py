@@ -18,6 +18,9 @@ elsewhere on a shared machine then falls on different servers). Output tok/s = c
 summed over a server's passes;
 ITL = the gaps between streamed chunks of a request (a speculative round may deliver several tokens in one
 chunk, as in SGLang's bench_serving). Results: benchmark/results/<--name>.json, a markdown table and a PNG.
+Servers start one at a time, the default first; a second default server started last (`--control`, on by
+default) measures what the start position alone costs: on one host the server started first ran ~20 % slower
+per round (docs/benchmarks_adaptive.md "Run 27").
 """
 
 from __future__ import annotations
@@ -56,11 +59,14 @@ from treepage.speculative.adaptive import TreeShape, default_candidates  # noqa:
 
 DOCS = HERE.parent / "docs"
 DEFAULT = "default (adaptive)"
+CONTROL = "default, started last"  # the same server as DEFAULT, started after every other one
+VERSUS_KEYS = ((DEFAULT, "default_vs_best"), (CONTROL, "control_vs_best"))  # a level's entries in the JSON
 
 
-def servers() -> dict[str, list[str]]:
-    """Name -> launch flags. Fixed shapes use the default server's model, head and pages with explicit flags
-    (which turn adaptation off); "off" keeps the 64-token pages so only speculation differs."""
+def servers(control: bool = True) -> dict[str, list[str]]:
+    """Name -> launch flags, in start order. Fixed shapes use the default server's model, head and pages with
+    explicit flags (which turn adaptation off); "off" keeps the 64-token pages so only speculation differs; the
+    control is the default server again, started last."""
     out: dict[str, list[str]] = {
         DEFAULT: [],
         "off": ["--speculative-algorithm", "NONE", "--page-size", "64"],
@@ -70,6 +76,8 @@ def servers() -> dict[str, list[str]]:
             "--speculative-num-steps", str(c.steps), "--speculative-eagle-topk", str(c.topk),
             "--speculative-num-draft-tokens", str(c.draft_tokens),
         ]  # fmt: skip
+    if control:
+        out[CONTROL] = []
     return out
 
 
@@ -153,18 +161,18 @@ def adaptive_rounds(base_url: str) -> dict[str, int]:
     return dict((info.get("speculative_adaptive") or {}).get("rounds", {}))
 
 
-def versus_best(run: dict) -> dict:
-    """The default server's tok/s over the best other server's at one level: summed over the passes, and within
-    each pass (how far apart those are is the machine's noise)."""
-    others = [n for n in run if n != DEFAULT]
+def versus_best(run: dict, name: str = DEFAULT) -> dict:
+    """A default server's tok/s over the best server that is not a default one at one level: summed over the
+    passes, and within each pass (how far apart those are is the machine's noise)."""
+    others = [n for n in run if n not in (DEFAULT, CONTROL)]
     best = max(others, key=lambda n: run[n]["tok_per_s"])
     per_pass = [
         d / max(run[n]["tok_per_s_per_pass"][i] for n in others)
-        for i, d in enumerate(run[DEFAULT]["tok_per_s_per_pass"])
+        for i, d in enumerate(run[name]["tok_per_s_per_pass"])
     ]
     return {
         "best": best,
-        "ratio": round(run[DEFAULT]["tok_per_s"] / run[best]["tok_per_s"], 3),
+        "ratio": round(run[name]["tok_per_s"] / run[best]["tok_per_s"], 3),
         "ratio_per_pass": [round(r, 3) for r in per_pass],
     }
 
@@ -179,7 +187,9 @@ def plot(results: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name in results["servers"]:
         ys = [results["runs"][str(c)][name]["tok_per_s"] for c in levels]
-        style = {"linewidth": 3, "color": "black"} if name.startswith("default") else {"linestyle": "--"}
+        style: dict = {"linestyle": "--"}
+        if name in (DEFAULT, CONTROL):
+            style = {"linewidth": 3, "color": "black" if name == DEFAULT else "grey"}
         ax.plot(levels, ys, marker="o", label=name, **style)
     ax.set_xscale("log", base=2)
     ax.set_xticks(levels, [str(c) for c in levels])
@@ -209,10 +219,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--servers", nargs="+", default=None, help="a subset of the other server names (smoke runs); the default always runs"
     )
+    ap.add_argument(
+        "--no-control", dest="control", action="store_false", help="no second default server started last"
+    )
     args = ap.parse_args(argv)
     ensure_passive_omp()
 
-    flags = {k: v for k, v in servers().items() if args.servers is None or k in args.servers or k == DEFAULT}
+    flags = {
+        k: v
+        for k, v in servers(args.control).items()
+        if args.servers is None or k in args.servers or k in (DEFAULT, CONTROL)
+    }
     n = max(max(args.concurrency), args.requests) + 1
     lengths = output_lengths(n, args.max_tokens, args.length_spread)  # before the slow part: a bad flag fails here
     questions = prompt_sets([args.prompts], n)[args.prompts]
@@ -235,16 +252,18 @@ def main(argv: list[str] | None = None) -> dict:
         for j, c in enumerate(args.concurrency):
             level = requests[: max(args.requests, c)]
             passes: dict[str, list[dict]] = {name: [] for name in urls}
-            served: Counter[str] = Counter()  # the default server's rounds per shape at this level
+            adaptive = [n for n in urls if n in (DEFAULT, CONTROL)]
+            served: dict[str, Counter[str]] = {n: Counter() for n in adaptive}  # rounds per shape at this level
             for rep in range(args.reps):
                 order = list(urls) if (j + rep) % 2 == 0 else list(urls)[::-1]
                 for name in order:
-                    before = adaptive_rounds(urls[name]) if name == DEFAULT else {}
+                    before = adaptive_rounds(urls[name]) if name in served else {}
                     passes[name].append(run_level(urls[name], level, c))
-                    if name == DEFAULT:
-                        served.update(Counter(adaptive_rounds(urls[name])) - Counter(before))
+                    if name in served:
+                        served[name].update(Counter(adaptive_rounds(urls[name])) - Counter(before))
             results["runs"][str(c)] = {name: summarize(p) for name, p in passes.items()}
-            results["runs"][str(c)][DEFAULT]["adaptive_rounds"] = dict(served)
+            for name in adaptive:
+                results["runs"][str(c)][name]["adaptive_rounds"] = dict(served[name])
         info = httpx.get(f"{urls[DEFAULT]}/get_server_info", timeout=10).json()
         results["default_server_info"] = {
             k: info.get(k) for k in ("dtype", "page_size", "spec_version", "speculative_adaptive")
@@ -260,12 +279,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows = []
     for c, run in results["runs"].items():
-        vs = run["default_vs_best"] = versus_best(run)
         for name in flags:
             r = run[name]
             rows.append([c, name, r["tok_per_s"], r["median_itl_ms"], r["median_ttft_ms"]])
-        each = " / ".join(f"{r:.3f}" for r in vs["ratio_per_pass"])
-        rows.append([c, f"**default / best ({vs['best']})**", f"**{vs['ratio']:.3f}** (per pass {each})", "", ""])
+        versus = {key: versus_best(run, name) for name, key in VERSUS_KEYS if name in run}
+        run.update(versus)  # after every comparison: the entries are not servers
+        for name, key in VERSUS_KEYS:
+            if key not in versus:
+                continue
+            vs = versus[key]
+            each = " / ".join(f"{r:.3f}" for r in vs["ratio_per_pass"])
+            rows.append([c, f"**{name} / best ({vs['best']})**", f"**{vs['ratio']:.3f}** (per pass {each})", "", ""])
     print(machine_line(results["machine"]))
     print_table(
         f"Output tok/s and median ITL over HTTP (streaming), {lengths_line(args.max_tokens, args.length_spread)}, "
@@ -274,7 +298,9 @@ def main(argv: list[str] | None = None) -> dict:
         rows,
     )
     for c, run in results["runs"].items():
-        print(f"adaptive rounds at concurrency {c}:", run[DEFAULT].get("adaptive_rounds"))
+        for name in (DEFAULT, CONTROL):
+            if name in run:
+                print(f"{name}: rounds at concurrency {c}:", run[name].get("adaptive_rounds"))
     plot(results, Path(args.plot))
     print(f"results: {os.path.relpath(write_results(args.name, results))}; plot: {os.path.relpath(args.plot)}")
     return results

@@ -1,0 +1,37 @@
+"""benchmark/bench_concurrency.py --control: a second default server, started after every other one, so a run
+shows what the start position alone costs (docs/benchmarks_adaptive.md "Run 27"); the best of the others never
+counts either default server."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmark"))
+
+import bench_concurrency as bc  # noqa: E402
+
+
+def test_the_control_is_the_default_server_started_last():
+    names = list(bc.servers())
+    assert names[0] == bc.DEFAULT and names[-1] == bc.CONTROL
+    assert bc.servers()[bc.CONTROL] == bc.servers()[bc.DEFAULT] == []  # the same launch flags
+    assert bc.CONTROL not in bc.servers(control=False)
+
+
+def test_best_is_taken_over_the_other_servers_only():
+    def level(total: float, per_pass: list[float]) -> dict:
+        return {"tok_per_s": total, "tok_per_s_per_pass": per_pass}
+
+    run = {
+        bc.DEFAULT: level(80.0, [70.0, 90.0]),
+        "off": level(90.0, [100.0, 80.0]),
+        "fixed 3x2x6": level(95.0, [90.0, 100.0]),
+        bc.CONTROL: level(120.0, [110.0, 130.0]),  # faster than everything, and still never the best
+    }
+    first = bc.versus_best(run)
+    assert first["best"] == "fixed 3x2x6" and first["ratio"] == round(80 / 95, 3)
+    assert first["ratio_per_pass"] == [round(70 / 100, 3), round(90 / 100, 3)]  # per pass, the best of that pass
+    last = bc.versus_best(run, bc.CONTROL)
+    assert last["best"] == "fixed 3x2x6" and last["ratio"] == round(120 / 95, 3)
