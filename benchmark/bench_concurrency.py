@@ -3,7 +3,7 @@ all real `launch_server` processes driven by the official openai client with str
 at several concurrency levels.
 
     python benchmark/bench_concurrency.py [--concurrency 1 2 4 8] [--requests 2] [--reps 1] [--max-tokens 64]
-        [--length-spread 0] [--prompts sharegpt|old|everyday]
+        [--length-spread 0] [--prompts sharegpt|old|everyday] [--no-control]
 
 Every server gets the same chat requests, none of which the shipped heads were trained on: ShareGPT first turns
 from the held-out conversations (the default: real traffic), the template domain's held-out questions ("old";
