@@ -60,7 +60,8 @@ from treepage.speculative.adaptive import TreeShape, default_candidates  # noqa:
 DOCS = HERE.parent / "docs"
 DEFAULT = "default (adaptive)"
 CONTROL = "default, started last"  # the same server as DEFAULT, started after every other one
-VERSUS_KEYS = ((DEFAULT, "default_vs_best"), (CONTROL, "control_vs_best"))  # a level's entries in the JSON
+# the adaptive servers, each with the key of its comparison with the best of the rest in a level's JSON entry
+ADAPTIVE = {DEFAULT: "default_vs_best", CONTROL: "control_vs_best"}
 
 
 def servers(control: bool = True) -> dict[str, list[str]]:
@@ -164,7 +165,7 @@ def adaptive_rounds(base_url: str) -> dict[str, int]:
 def versus_best(run: dict, name: str = DEFAULT) -> dict:
     """A default server's tok/s over the best server that is not a default one at one level: summed over the
     passes, and within each pass (how far apart those are is the machine's noise)."""
-    others = [n for n in run if n not in (DEFAULT, CONTROL)]
+    others = [n for n in run if n not in ADAPTIVE and n not in ADAPTIVE.values()]  # servers, not comparisons
     best = max(others, key=lambda n: run[n]["tok_per_s"])
     per_pass = [
         d / max(run[n]["tok_per_s_per_pass"][i] for n in others)
@@ -188,7 +189,7 @@ def plot(results: dict, path: Path) -> None:
     for name in results["servers"]:
         ys = [results["runs"][str(c)][name]["tok_per_s"] for c in levels]
         style: dict = {"linestyle": "--"}
-        if name in (DEFAULT, CONTROL):
+        if name in ADAPTIVE:
             style = {"linewidth": 3, "color": "black" if name == DEFAULT else "grey"}
         ax.plot(levels, ys, marker="o", label=name, **style)
     ax.set_xscale("log", base=2)
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     flags = {
         k: v
         for k, v in servers(args.control).items()
-        if args.servers is None or k in args.servers or k in (DEFAULT, CONTROL)
+        if args.servers is None or k in args.servers or k in ADAPTIVE
     }
     n = max(max(args.concurrency), args.requests) + 1
     lengths = output_lengths(n, args.max_tokens, args.length_spread)  # before the slow part: a bad flag fails here
@@ -252,8 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
         for j, c in enumerate(args.concurrency):
             level = requests[: max(args.requests, c)]
             passes: dict[str, list[dict]] = {name: [] for name in urls}
-            adaptive = [n for n in urls if n in (DEFAULT, CONTROL)]
-            served: dict[str, Counter[str]] = {n: Counter() for n in adaptive}  # rounds per shape at this level
+            served: dict[str, Counter[str]] = {n: Counter() for n in urls if n in ADAPTIVE}  # rounds per shape
             for rep in range(args.reps):
                 order = list(urls) if (j + rep) % 2 == 0 else list(urls)[::-1]
                 for name in order:
@@ -262,8 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
                     if name in served:
                         served[name].update(Counter(adaptive_rounds(urls[name])) - Counter(before))
             results["runs"][str(c)] = {name: summarize(p) for name, p in passes.items()}
-            for name in adaptive:
-                results["runs"][str(c)][name]["adaptive_rounds"] = dict(served[name])
+            for name, rounds in served.items():
+                results["runs"][str(c)][name]["adaptive_rounds"] = dict(rounds)
         info = httpx.get(f"{urls[DEFAULT]}/get_server_info", timeout=10).json()
         results["default_server_info"] = {
             k: info.get(k) for k in ("dtype", "page_size", "spec_version", "speculative_adaptive")
@@ -282,12 +282,10 @@ def main(argv: list[str] | None = None) -> dict:
         for name in flags:
             r = run[name]
             rows.append([c, name, r["tok_per_s"], r["median_itl_ms"], r["median_ttft_ms"]])
-        versus = {key: versus_best(run, name) for name, key in VERSUS_KEYS if name in run}
-        run.update(versus)  # after every comparison: the entries are not servers
-        for name, key in VERSUS_KEYS:
-            if key not in versus:
+        for name, key in ADAPTIVE.items():
+            if name not in run:
                 continue
-            vs = versus[key]
+            vs = run[key] = versus_best(run, name)
             each = " / ".join(f"{r:.3f}" for r in vs["ratio_per_pass"])
             rows.append([c, f"**{name} / best ({vs['best']})**", f"**{vs['ratio']:.3f}** (per pass {each})", "", ""])
     print(machine_line(results["machine"]))
@@ -298,9 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows,
     )
     for c, run in results["runs"].items():
-        for name in (DEFAULT, CONTROL):
-            if name in run:
-                print(f"{name}: rounds at concurrency {c}:", run[name].get("adaptive_rounds"))
+        for name in (n for n in ADAPTIVE if n in run):
+            print(f"{name}: rounds at concurrency {c}:", run[name].get("adaptive_rounds"))
     plot(results, Path(args.plot))
     print(f"results: {os.path.relpath(write_results(args.name, results))}; plot: {os.path.relpath(args.plot)}")
     return results

@@ -35,3 +35,5 @@ def test_best_is_taken_over_the_other_servers_only():
     assert first["ratio_per_pass"] == [round(70 / 100, 3), round(90 / 100, 3)]  # per pass, the best of that pass
     last = bc.versus_best(run, bc.CONTROL)
     assert last["best"] == "fixed 3x2x6" and last["ratio"] == round(120 / 95, 3)
+    run[bc.ADAPTIVE[bc.DEFAULT]] = first  # a level's entry also holds the comparisons: never read as servers
+    assert bc.versus_best(run, bc.CONTROL) == last

@@ -389,8 +389,8 @@ def test_estimates_do_not_keep_the_stretch_a_shape_was_last_served_on():
     """Text alternates between hard and easy stretches. A shape served through a hard stretch, then dropped,
     must not keep that stretch's acceptance while the text is easy again (with per-shape averages of served
     rounds it did, and the policy under-speculated): every estimate follows the text of the recent rounds,
-    whichever shape served them. A stretch lasts 50 rounds of 4 requests, twice h's span (1 / hit_ema request-rounds).
-    Accept lengths are consistent (a shape emits at least what its sub-shapes do)."""
+    whichever shape served them. A stretch lasts 50 rounds of 4 requests, twice h's span (1 / hit_ema
+    request-rounds). Accept lengths are consistent (a shape emits at least what its sub-shapes do)."""
     true = {  # tokens per request-round of each shape (4 requests) on hard and on easy text
         "hard": {BIG: [2, 2, 3, 4], MID: [2, 2, 2, 3], CHAIN: [2, 2, 2, 2], ONE: [1, 1, 2, 2]},
         "easy": {BIG: [4, 4, 5, 5], MID: [3, 3, 4, 4], CHAIN: [3, 3, 3, 3], ONE: [2, 2, 2, 2]},
@@ -515,8 +515,9 @@ def test_batch_one_noise_does_not_drive_the_choice(monkeypatch):
 
 def test_batch_one_pools_over_requests():
     """Requests differ (the acceptance level of each drawn around 0.6, sd 0.05, about what the batch-1 trace in
-    docs/design.md "Adaptive speculation" leaves room for), but a request's few dozen rounds say little about its own level: an estimate that spans several
-    requests (hit_ema 0.01 per request-round) chooses better than one that follows the current request (0.05)."""
+    docs/design.md "Adaptive speculation" leaves room for), but a request's few dozen rounds say little about its
+    own level: an estimate that spans several requests (hit_ema 0.01 per request-round) chooses better than one
+    that follows the current request (0.05)."""
     pooled = [simulate_batch_one(seed, 0.6, 0.05, rounds=3000) for seed in range(10)]
     following = [simulate_batch_one(seed, 0.6, 0.05, rounds=3000, hit_ema=0.05) for seed in range(10)]
     assert sum(pooled) / 10 >= 0.96 and sum(pooled) / 10 > sum(following) / 10 + 0.005, (pooled, following)
