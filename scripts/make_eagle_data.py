@@ -13,8 +13,8 @@ Splits (records carry id, split, source, conv, prompt, input_ids, output_ids):
 manifest.json records sources, counts, filters, seeds and versions. Re-running resumes: records already in the
 jsonl files are skipped (a line cut by a kill is dropped), and --max-minutes stops cleanly at a time budget.
 
-    python scripts/make_eagle_data.py --out build/eagle-chat3 --num-train 4870 --num-heldout 146 \
-        --num-old-train 1280 --old-frac 0.208 --max-new-tokens 128 --dtype float32 --batch-size 32  # shipped EAGLE-3
+    python scripts/make_eagle_data.py --out build/eagle-chat4 --num-train 6500 --num-heldout 146 \
+        --num-old-train 1280 --old-frac 0.1645 --max-new-tokens 128 --dtype float32 --batch-size 32  # shipped EAGLE-3
     python scripts/make_eagle_data.py --out build/eagle --sharegpt none --num-train 0 --num-heldout 0 \
         --num-old-train 1280 --max-new-tokens 128                  # the template-only recipe (EAGLE head)
     python scripts/make_eagle_data.py --out build/plan --plan-only # prompts + sources only, to plan.json ...
