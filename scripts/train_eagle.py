@@ -210,13 +210,31 @@ def build_hf_target(model_path: str, dtype: torch.dtype):
     return model.to(dtype).eval(), cfg, state
 
 
+def feature_file(path: str, rows: int, cols: int, dtype: torch.dtype, write: bool) -> torch.Tensor:
+    """A [rows, cols] tensor memory-mapped onto a raw file (created at its full size when `write`): the page cache
+    holds the features, not the process heap, so a data set whose features exceed RAM still trains, and a batch
+    reads only its own rows. Written through a shared mapping; read through a private one (copy on write)."""
+    if write:
+        with open(path, "wb") as f:
+            f.truncate(rows * cols * dtype.itemsize)
+    return torch.from_file(path, shared=write, size=rows * cols, dtype=dtype).view(rows, cols)
+
+
 @torch.no_grad()
-def extract_features(hf, cfg: ModelConfig, split: Split, batch_tokens: int, device: str, desc: str) -> None:
+def extract_features(
+    hf, cfg: ModelConfig, split: Split, batch_tokens: int, device: str, desc: str, prefix: str | None = None
+) -> None:
+    """The target's features of every row of `split`, into split.aux / split.last: in memory, or with `prefix`
+    into the files `<prefix>.aux` and `<prefix>.last` (feature_file)."""
     aux_ids = default_aux_layers(cfg.num_hidden_layers)
     n = sum(len(s) for s in split.ids)
     H, dtype = cfg.hidden_size, next(hf.parameters()).dtype
-    split.aux = torch.empty(n, len(aux_ids) * H, dtype=dtype)
-    split.last = torch.empty(n, H, dtype=dtype)
+    for kind, cols in (("aux", len(aux_ids) * H), ("last", H)):
+        if prefix is None:
+            setattr(split, kind, torch.empty(n, cols, dtype=dtype))
+        else:
+            setattr(split, kind, feature_file(f"{prefix}.{kind}", n, cols, dtype, True))
+    assert split.aux is not None and split.last is not None
     order = sorted(range(len(split.ids)), key=lambda i: len(split.ids[i]))
     batches, cur = [], []
     for i in order:
@@ -242,26 +260,40 @@ def extract_features(hf, cfg: ModelConfig, split: Split, batch_tokens: int, devi
 
 
 def load_or_extract(args, model_path: str, splits: dict[str, Split], device: str) -> ModelConfig:
-    """Features of both splits, cached in --work under a key of the data and the target."""
+    """Features of every split, cached in --work under a key of the data and the target: one folder of raw
+    memory-mapped files (feature_file) per key, complete once its meta.json exists (written last)."""
     h = hashlib.sha256(f"{model_path}|{args.feature_dtype}|{args.limit}".encode())
     for name in splits:
         with open(os.path.join(args.data, f"{name}.jsonl"), "rb") as f:
             h.update(f.read())
-    path = os.path.join(args.work, f"features-{h.hexdigest()[:16]}.pt")
-    if os.path.exists(path):
-        cached = torch.load(path, weights_only=True)
+    folder = os.path.join(args.work, f"features-{h.hexdigest()[:16]}")
+    meta_path = os.path.join(folder, "meta.json")
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)
+        dtype = getattr(torch, meta["dtype"])
         for name, s in splits.items():
-            s.aux, s.last = cached[name]["aux"], cached[name]["last"]
+            rows = sum(len(x) for x in s.ids)
+            for kind in ("aux", "last"):
+                path = os.path.join(folder, f"{name}.{kind}")
+                setattr(s, kind, feature_file(path, rows, meta[kind], dtype, False))
         return load_config(model_path)
     t0 = time.time()
+    os.makedirs(folder, exist_ok=True)
     hf, cfg, _ = build_hf_target(model_path, getattr(torch, args.feature_dtype))
     hf.to(device)
     for name, s in splits.items():
-        extract_features(hf, cfg, s, args.feature_batch_tokens, device, f"target features ({name})")
+        prefix = os.path.join(folder, name)
+        extract_features(hf, cfg, s, args.feature_batch_tokens, device, f"target features ({name})", prefix)
     del hf
-    torch.save({n: {"aux": s.aux, "last": s.last} for n, s in splits.items()}, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    print(f"features: {time.time() - t0:.0f}s -> {path}")
+    some = next(iter(splits.values()))
+    assert some.aux is not None and some.last is not None
+    dtype_name = str(some.aux.dtype).removeprefix("torch.")
+    meta = {"dtype": dtype_name, "aux": some.aux.shape[1], "last": some.last.shape[1]}
+    with open(meta_path + ".tmp", "w") as f:
+        json.dump(meta, f)
+    os.replace(meta_path + ".tmp", meta_path)
+    print(f"features: {time.time() - t0:.0f}s -> {folder}")
     return cfg
 
 

@@ -109,6 +109,44 @@ def test_features_equal_engine_capture(tiny_llama3_dir):
             torch.testing.assert_close(got, engine_features, atol=1e-4, rtol=1e-4)
 
 
+def test_feature_cache_is_memory_mapped_files_equal_to_the_extraction(tiny_llama3_dir, tmp_path):
+    """load_or_extract writes each split's features into raw files that it reads back mapped, not loaded: the same
+    values as an in-memory extraction, one file per split and kind of the exact size, complete only with meta.json."""
+    write_data(tmp_path)
+    args = te.parse_args(["--algorithm", "EAGLE3", "--data", str(tmp_path), "--work", str(tmp_path / "work"),
+                          "--feature-dtype", "float32", "--feature-batch-tokens", "64"])  # fmt: skip
+    names = ("train", "heldout")
+    hf, cfg, _ = te.build_hf_target(tiny_llama3_dir, torch.float32)
+    in_memory = {n: te.read_split(str(tmp_path / f"{n}.jsonl"), None) for n in names}
+    for n, s in in_memory.items():
+        te.extract_features(hf, cfg, s, batch_tokens=64, device="cpu", desc=n)
+
+    def cached() -> dict[str, te.Split]:
+        splits = {n: te.read_split(str(tmp_path / f"{n}.jsonl"), None) for n in names}
+        te.load_or_extract(args, tiny_llama3_dir, splits, "cpu")
+        return splits
+
+    def assert_equal(splits: dict[str, te.Split]) -> None:
+        for n in names:
+            for kind in ("aux", "last"):
+                assert torch.equal(getattr(splits[n], kind), getattr(in_memory[n], kind)), (n, kind)
+
+    assert_equal(cached())
+    (folder,) = (tmp_path / "work").iterdir()
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == ["heldout.aux", "heldout.last", "meta.json", "train.aux", "train.last"]
+    rows = sum(len(x) for x in in_memory["train"].ids)
+    assert (folder / "train.aux").stat().st_size == rows * 3 * cfg.hidden_size * 4
+    assert_equal(cached())
+    # the second run read the files: what they hold is what it gets (zeros written over one file show through)
+    last = folder / "heldout.last"
+    last.write_bytes(bytes(last.stat().st_size))
+    assert not cached()["heldout"].last.any()
+    # an extraction cut before meta.json leaves an incomplete folder: the next run extracts again
+    (folder / "meta.json").unlink()
+    assert_equal(cached())
+
+
 def write_data(d: pathlib.Path) -> None:
     g = torch.Generator().manual_seed(3)
     for split, n in (("train", 6), ("heldout", 2), ("heldout_old", 2)):
