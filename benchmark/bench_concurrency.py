@@ -19,8 +19,8 @@ summed over a server's passes;
 ITL = the gaps between streamed chunks of a request (a speculative round may deliver several tokens in one
 chunk, as in SGLang's bench_serving). Results: benchmark/results/<--name>.json, a markdown table and a PNG.
 Servers start one at a time, the default first; a second default server started last (`--control`, on by
-default) measures what the start position alone costs: on one host the server started first ran ~20 % slower
-per round (docs/benchmarks_adaptive.md "Run 27").
+default) measures what the start position alone costs: on one slow host the server started first ran ~20 % slower
+per round (docs/benchmarks_adaptive.md "Run 27"); identical servers on a normal one showed no such effect ("Run 28").
 """
 
 from __future__ import annotations

@@ -210,6 +210,13 @@ def build_hf_target(model_path: str, dtype: torch.dtype):
     return model.to(dtype).eval(), cfg, state
 
 
+def feature_columns(cfg: ModelConfig) -> dict[str, int]:
+    """Values per token of each kind of feature: the three captured layer inputs side by side (EAGLE-3's "aux")
+    and the final-norm output (EAGLE's "last")."""
+    H = cfg.hidden_size
+    return {"aux": len(default_aux_layers(cfg.num_hidden_layers)) * H, "last": H}
+
+
 def feature_file(path: str, rows: int, cols: int, dtype: torch.dtype, write: bool) -> torch.Tensor:
     """A [rows, cols] tensor memory-mapped onto a raw file (created at its full size when `write`): the page cache
     holds the features, not the process heap, so a data set whose features exceed RAM still trains, and a batch
@@ -228,13 +235,14 @@ def extract_features(
     into the files `<prefix>.aux` and `<prefix>.last` (feature_file)."""
     aux_ids = default_aux_layers(cfg.num_hidden_layers)
     n = sum(len(s) for s in split.ids)
-    H, dtype = cfg.hidden_size, next(hf.parameters()).dtype
-    for kind, cols in (("aux", len(aux_ids) * H), ("last", H)):
+    dtype, cols = next(hf.parameters()).dtype, feature_columns(cfg)
+
+    def alloc(kind: str) -> torch.Tensor:
         if prefix is None:
-            setattr(split, kind, torch.empty(n, cols, dtype=dtype))
-        else:
-            setattr(split, kind, feature_file(f"{prefix}.{kind}", n, cols, dtype, True))
-    assert split.aux is not None and split.last is not None
+            return torch.empty(n, cols[kind], dtype=dtype)
+        return feature_file(f"{prefix}.{kind}", n, cols[kind], dtype, True)
+
+    split.aux, split.last = alloc("aux"), alloc("last")
     order = sorted(range(len(split.ids)), key=lambda i: len(split.ids[i]))
     batches, cur = [], []
     for i in order:
@@ -286,10 +294,7 @@ def load_or_extract(args, model_path: str, splits: dict[str, Split], device: str
         prefix = os.path.join(folder, name)
         extract_features(hf, cfg, s, args.feature_batch_tokens, device, f"target features ({name})", prefix)
     del hf
-    some = next(iter(splits.values()))
-    assert some.aux is not None and some.last is not None
-    dtype_name = str(some.aux.dtype).removeprefix("torch.")
-    meta = {"dtype": dtype_name, "aux": some.aux.shape[1], "last": some.last.shape[1]}
+    meta = {"dtype": args.feature_dtype, **feature_columns(cfg)}
     with open(meta_path + ".tmp", "w") as f:
         json.dump(meta, f)
     os.replace(meta_path + ".tmp", meta_path)
@@ -453,7 +458,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heldout", default="heldout", help="held-out split scored as 'held-out' (file stem)")
     ap.add_argument("--work", default=None, help="features cache, checkpoints (default: under --data)")
     ap.add_argument("--out", default=None, help="head directory (default: the package's shipped head)")
-    ap.add_argument("--loss-png", default=None)
+    ap.add_argument("--loss-png", default=None, help="default: docs/ for the shipped head, else <out>-loss.png")
     ap.add_argument("--model-path", default=None, help="target (default: the embedded SmolLM2 GGUF)")
     ap.add_argument(
         "--steps", type=int, default=None, help="optimizer steps (default: EAGLE3 900, EAGLE 500)"
@@ -496,8 +501,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps or (900 if eagle3 else 500)
     args.ttt_steps = args.ttt_steps or (5 if eagle3 else 3)
     args.work = args.work or os.path.join(args.data, "work")
+    # the curve in docs/ belongs to the shipped head: a head written elsewhere gets its curve beside it
+    default_png = os.path.join(REPO, DEFAULT_PNG[args.algorithm]) if args.out is None else None
     args.out = args.out or DEFAULT_OUT[args.algorithm]
-    args.loss_png = args.loss_png or os.path.join(REPO, DEFAULT_PNG[args.algorithm])
+    args.loss_png = args.loss_png or default_png or args.out.rstrip("/") + "-loss.png"
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     # What the engine's `--dtype auto` picks: bf16 on CUDA and on CPUs that compute it natively, else fp32

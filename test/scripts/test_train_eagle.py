@@ -4,6 +4,7 @@ and a run resumes bit-exactly into a head the engine's loader accepts."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import pytest
@@ -145,6 +146,17 @@ def test_feature_cache_is_memory_mapped_files_equal_to_the_extraction(tiny_llama
     # an extraction cut before meta.json leaves an incomplete folder: the next run extracts again
     (folder / "meta.json").unlink()
     assert_equal(cached())
+
+
+def test_loss_curve_goes_to_docs_only_with_the_shipped_head(tmp_path):
+    """docs/eagle3_loss.png is the shipped head's curve: a trial head written elsewhere (--out) draws its own beside
+    itself instead of overwriting the one in docs/."""
+    shipped = te.parse_args(["--algorithm", "EAGLE3"])
+    assert shipped.loss_png == os.path.join(te.REPO, "docs", "eagle3_loss.png")
+    trial = te.parse_args(["--algorithm", "EAGLE3", "--out", str(tmp_path / "head") + "/"])
+    assert trial.loss_png == str(tmp_path / "head") + "-loss.png"
+    named = te.parse_args(["--algorithm", "EAGLE", "--out", str(tmp_path), "--loss-png", "x.png"])
+    assert named.loss_png == "x.png"
 
 
 def write_data(d: pathlib.Path) -> None:
