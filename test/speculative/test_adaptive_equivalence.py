@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import random
+import threading
 
 import pytest
 
@@ -17,7 +18,7 @@ from spec_utils import assert_no_leak, make_eagle_head, make_perturbed_copy, mak
 from treepage.entrypoints.engine import CumulativeOutput, Engine
 from treepage.mem_cache.sizing import alloc_len_for_shape, get_row_width_extra
 from treepage.server_args import ServerArgs
-from treepage.speculative.eagle_worker import OFF_DRAFT_SYNC_ENV
+from treepage.speculative.eagle_worker import OFF_DRAFT_SYNC_ENV, EagleWorker
 
 MAX_NEW = 40
 PAGES = (1, 4, 16, 64)
@@ -114,6 +115,34 @@ def test_eager_draft_sync_is_exact(ckpts, reference, algo, version, monkeypatch)
         assert eng.worker.off_draft_sync == "eager"
         out = [o["output_ids"] for o in eng.generate(input_ids=prompts_for(16, 16), sampling_params=SP)]
         assert out == reference[16]
+        assert_no_leak(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_spec_v2_runs_off_rounds_on_the_scheduler_thread(ckpts, reference, monkeypatch):
+    """Under spec v2 a speculative round runs on the forward thread and an OFF round on the scheduler thread, as the
+    plain worker's decode; across every switch (a tree in flight, then OFF) the rounds come back in order."""
+    monkeypatch.setenv("TREEPAGE_STRICT_MEM_CHECK", "1")
+    ran: list[tuple[str, str]] = []
+    original = EagleWorker.timed_round
+
+    def timed_round(self, reqs, allocated, shape):
+        ran.append((shape.label, threading.current_thread().name))
+        return original(self, reqs, allocated, shape)
+
+    monkeypatch.setattr(EagleWorker, "timed_round", timed_round)
+    eng = cycling_engine(ckpts, "EAGLE3", 4, 2)
+    try:
+        out = [o["output_ids"] for o in eng.generate(input_ids=prompts_for(4, 4), sampling_params=SP)]
+        assert out == reference[4]
+        on_forward: dict[str, set[bool]] = {}  # per shape: did its rounds run on the forward thread
+        for label, thread in ran:
+            on_forward.setdefault(label, set()).add(thread.startswith("treepage-forward"))
+        assert on_forward.pop("off") == {False}
+        assert on_forward and all(v == {True} for v in on_forward.values()), on_forward
+        after_tree = [b for a, b in zip(ran, ran[1:]) if a[0] != "off" and b[0] == "off"]
+        assert after_tree, "the schedule never switched from a tree to OFF"
         assert_no_leak(eng)
     finally:
         eng.shutdown()

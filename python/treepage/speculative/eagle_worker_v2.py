@@ -3,7 +3,8 @@
 The scheduler therefore allocates round r+1 from a committed length that lags by up to one verify; the 2x
 reserve of mem_cache/sizing.py absorbs that lag (docs/design.md, "Memory model"). Rounds run strictly in order
 on one forward thread, each reading the per-request state the previous round left; each submission carries its
-round's shape, chosen on the scheduler thread (adaptive speculation). Whenever the batch changes
+round's shape, chosen on the scheduler thread (adaptive speculation); an OFF round, a plain decode, runs on the
+scheduler thread instead, as the plain worker's does (_decode_off_inline). Whenever the batch changes
 (a request finishes, is aborted or retracted, or new ones are prefilled) the pipeline is drained first, so no
 memory is freed or reused under a round that is still running.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from treepage.core import Req, StepOutput
 from treepage.model_executor.model_runner import ModelRunner
 from treepage.server_args import ServerArgs
-from treepage.speculative.adaptive import TreeShape
+from treepage.speculative.adaptive import OFF, TreeShape
 from treepage.speculative.eagle_worker import EagleWorker
 
 
@@ -56,6 +57,8 @@ class EagleWorkerV2(EagleWorker):
             empty = [StepOutput([], r.kv_committed_len) for r in reqs]  # new since the drained round
             return [self.pending.pop(r.rid, e) for r, e in zip(reqs, empty)]
         shape = self.next_shape(len(reqs))
+        if shape.is_off:
+            return self._decode_off_inline(reqs)
         fut = self.executor.submit(self.timed_round, list(reqs), [r.allocated_len for r in reqs], shape)
         prev, self.inflight = self.inflight, _Inflight(rids, shape, fut)
         if prev is None:  # the first round of a pipeline: its tokens arrive with the next call
@@ -65,6 +68,24 @@ class EagleWorkerV2(EagleWorker):
         lap = self.clock.lap(rids)  # since the previous round's hand-back: the pipeline's period
         self.observe(prev.shape, outs, max(seconds, lap or 0.0))
         return outs
+
+    def _decode_off_inline(self, reqs: list[Req]) -> list[StepOutput]:
+        """An OFF round runs on the scheduler thread, as the plain worker's decode does: a plain decode gains nothing
+        from the overlap on a few CPU cores, where the forward thread competes with the scheduler's own work for
+        them (docs/design.md "Adaptive speculation"). A round still in flight hands back its tokens now and
+        the OFF round's wait for the next call, so each call returns one round, in order."""
+        prev, self.inflight = self.inflight, None
+        if prev is not None:  # its state is this round's input: wait for it first
+            self.clock.reset()  # this call runs two rounds: no lap for either
+            prev_outs, prev_seconds = prev.future.result()
+            self.observe(prev.shape, prev_outs, prev_seconds)
+        outs, seconds = self.timed_round(reqs, [r.allocated_len for r in reqs], OFF)
+        lap = self.clock.lap([r.rid for r in reqs])
+        self.observe(OFF, outs, max(seconds, lap or 0.0))
+        if prev is None:
+            return outs
+        self.pending.update(zip(prev.rids, outs))
+        return prev_outs
 
     def prefill(self, reqs: list[Req], ends: list[int]) -> list[StepOutput]:
         self.drain()
