@@ -122,7 +122,8 @@ def test_eager_draft_sync_is_exact(ckpts, reference, algo, version, monkeypatch)
 
 def test_spec_v2_runs_off_rounds_on_the_scheduler_thread(ckpts, reference, monkeypatch):
     """Under spec v2 a speculative round runs on the forward thread and an OFF round on the scheduler thread, as the
-    plain worker's decode; across every switch (a tree in flight, then OFF) the rounds come back in order."""
+    plain worker's decode; across every switch (a tree in flight, then OFF) the rounds come back in order, and
+    the draft's catch-up after OFF is timed apart from the round it precedes."""
     monkeypatch.setenv("TREEPAGE_STRICT_MEM_CHECK", "1")
     ran: list[tuple[str, str]] = []
     original = EagleWorker.timed_round
@@ -131,11 +132,24 @@ def test_spec_v2_runs_off_rounds_on_the_scheduler_thread(ckpts, reference, monke
         ran.append((shape.label, threading.current_thread().name))
         return original(self, reqs, allocated, shape)
 
+    observed: list[tuple[str, int, int]] = []  # per round in order: shape, batch, tokens the draft caught up
+    original_observe = EagleWorker.observe
+
+    def observe(self, shape, outs, timing, lap=None):
+        observed.append((shape.label, len(outs), timing.catchup_tokens))
+        return original_observe(self, shape, outs, timing, lap)
+
     monkeypatch.setattr(EagleWorker, "timed_round", timed_round)
+    monkeypatch.setattr(EagleWorker, "observe", observe)
     eng = cycling_engine(ckpts, "EAGLE3", 4, 2)
     try:
         out = [o["output_ids"] for o in eng.generate(input_ids=prompts_for(4, 4), sampling_params=SP)]
         assert out == reference[4]
+        # the round after an OFF round of the same batch first catches the draft up over one token per request,
+        # timed apart from the round; no other round catches up
+        after_off = [(a, b) for a, b in zip(observed, observed[1:]) if a[0] == "off" and b[0] != "off" and a[1] == b[1]]
+        assert after_off and all(b[2] == b[1] for _, b in after_off), observed
+        assert all(b[2] == 0 for a, b in zip(observed, observed[1:]) if a[0] != "off"), observed
         on_forward: dict[str, set[bool]] = {}  # per shape: did its rounds run on the forward thread
         for label, thread in ran:
             on_forward.setdefault(label, set()).add(thread.startswith("treepage-forward"))

@@ -29,6 +29,7 @@ from treepage.speculative.adaptive import (
     AdaptivePolicy,
     CostTable,
     CyclePolicy,
+    DraftExtendCost,
     TreeShape,
     check_shape,
     default_candidates,
@@ -551,3 +552,53 @@ def test_dear_probes_come_rarer():
     assert lost <= 0.011 * served and probes[ONE] >= 15 and probes[MID] == probes[BIG] == 0, (lost / served, probes)
     unbudgeted, served_all, all_probes = run(100.0)
     assert unbudgeted >= 0.05 * served_all and all_probes[MID] >= 20, (unbudgeted / served_all, all_probes)
+
+
+def test_draft_extend_cost_is_a_line_through_both_ends():
+    """Prompts (many tokens) and catch-ups (few) pin a + b * n; one size alone goes through the origin."""
+    cost = DraftExtendCost()
+    assert cost.line() is None and cost.seconds(100) == 0.0
+    cost.observe(40, 0.008)
+    assert cost.line() == pytest.approx((0.0, 0.0002)) and cost.seconds(0) == 0.0
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.choice([1, 3, 16, 48, 300, 700])
+        cost.observe(n, (0.004 + 0.00008 * n) * rng.uniform(0.95, 1.05))
+    a, b = cost.line()
+    assert a == pytest.approx(0.004, rel=0.15) and b == pytest.approx(0.00008, rel=0.05)
+    assert cost.seconds(512) == pytest.approx(0.004 + 0.00008 * 512, rel=0.05)
+
+
+def test_a_probe_from_off_pays_the_draft_catch_up():
+    """While OFF serves, the draft falls behind by the batch size every round, and a speculative probe first
+    catches it up (draft extends of 5 ms + 0.1 ms a token). Priced in, the probes stop at batch 8, where the
+    catch-up grows faster than the 1 % budget sets time aside, and still come at batch 1, where it grows slower;
+    unpriced, batch 8 probes every hundred rounds or so."""
+
+    def run(batch: int, priced: bool) -> tuple[int, float, float]:
+        p = policy(probe_every=4, hysteresis=0.0, probe_margin=0.0)
+        if priced:
+            p.observe_draft_extend(10, 0.006)
+            p.observe_draft_extend(500, 0.055)
+        p.current = OFF
+        for shape in p.candidates:  # measured at this level; the traffic makes OFF the best
+            for _ in range(2):
+                p.observe(shape, [] if shape.is_off else [1] * batch, batch, SECONDS[shape.label][batch])
+        lag, probes, lost, served = 0, 0, 0.0, 0.0
+        for _ in range(1000):
+            shape = p.choose(batch, lag)
+            t = SECONDS[shape.label][batch]
+            if shape.is_off:
+                lag += batch
+            else:
+                probes += 1
+                lost += p.probe_loss(shape, OFF, batch, lag)
+                lag = 0
+            served += t
+            p.observe(shape, [] if shape.is_off else [1] * batch, batch, t)
+        return probes, lost, served
+
+    assert run(8, priced=True)[0] == 0
+    probes, lost, served = run(1, priced=True)
+    assert probes >= 5 and lost <= 0.011 * served, (probes, lost / served)
+    assert run(8, priced=False)[0] >= 5

@@ -285,9 +285,46 @@ def save_table(path: Path, table: CostTable) -> None:
     tmp.replace(path)
 
 
+class DraftExtendCost:
+    """Seconds of one draft extend over n tokens, a + b * n, fitted to the recent extends by exponentially weighted
+    least squares. The workers report the draft's prompt prefills (many tokens) and its catch-ups over the tokens
+    of the OFF rounds since it last ran (eagle_worker.EagleWorker._catch_up, few), so both ends of the line are
+    seen. A speculative round after OFF rounds pays a catch-up first; the policy prices it into a probe."""
+
+    def __init__(self, weight: float = 0.05) -> None:
+        self.weight = weight  # of one extend
+        self.sums = (0.0, 0.0, 0.0, 0.0, 0.0)  # weighted sums of 1, n, n^2, t and n * t
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        n, keep = float(tokens), 1.0 - self.weight
+        w, sn, snn, st, snt = (keep * x for x in self.sums)
+        self.sums = (w + 1.0, sn + n, snn + n * n, st + seconds, snt + n * seconds)
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b); None before any extend; through the origin while every extend had the same size."""
+        w, sn, snn, st, snt = self.sums
+        if w == 0.0:
+            return None
+        det = w * snn - sn * sn
+        if det <= 1e-9 * w * snn:
+            return 0.0, st / sn
+        b = max((w * snt - sn * st) / det, 0.0)
+        return max((st - b * sn) / w, 0.0), b
+
+    def seconds(self, tokens: int) -> float:
+        line = self.line()
+        if tokens <= 0 or line is None:
+            return 0.0
+        return line[0] + line[1] * tokens
+
+
 # ---- policies -----------------------------------------------------------------------------------------------------
 class ShapePolicy(Protocol):
-    def choose(self, batch_size: int) -> TreeShape: ...
+    def choose(self, batch_size: int, draft_lag: int = 0) -> TreeShape: ...
+
+    def observe_draft_extend(self, tokens: int, seconds: float) -> None: ...
 
     def observe(
         self,
@@ -323,8 +360,10 @@ class AdaptivePolicy:
     its few start-up rounds, would otherwise never be measured again; one far below is not worth a round). A probe
     also waits until `probe_budget` of the time served since the last one covers its `probe_loss`; a lower-ranked
     pick that cannot pay gives up its turn (at batch 16, while OFF served, the probes of the single draft and the
-    trees cost 2-14 % of a pass). While OFF serves no draft runs, so h, stale, returns towards a LONG_HIT_SPAN times
-    slower average of the same samples.
+    trees cost 2-14 % of a pass); a speculative probe after OFF rounds first catches the draft up over their tokens
+    (`draft_lag`, priced by DraftExtendCost), so while OFF serves a full batch no speculative shape is probed.
+    While OFF serves no draft runs, so h, stale, returns towards a LONG_HIT_SPAN times slower average of the same
+    samples.
     Before any choice, each candidate serves `explore_rounds` rounds, so every shape's per-shape scale starts
     from served rounds. When the load changes and the new level lasts (SETTLE_ROUNDS), the batch size
     is one no round has been served at: there, a candidate whose estimate comes close to the chosen shape's
@@ -364,6 +403,7 @@ class AdaptivePolicy:
         self.last_served: dict[TreeShape, int] = dict.fromkeys(self.candidates, -1)  # the round it last ran
         self._level = 0  # the batch size of the current load level, and the rounds served at it in a row
         self._level_rounds = 0
+        self.draft_extend = DraftExtendCost()
 
     def rate(self, shape: TreeShape, batch: int) -> float:
         """Expected output tokens per second of a round of this shape at this batch size."""
@@ -424,7 +464,9 @@ class AdaptivePolicy:
             return self.current
         return top
 
-    def choose(self, batch_size: int) -> TreeShape:
+    def choose(self, batch_size: int, draft_lag: int = 0) -> TreeShape:
+        """The next round's shape; `draft_lag`: the tokens (summed over the batch) that OFF rounds emitted since
+        the draft last ran, which a speculative round first catches the draft up over."""
         unexplored = [c for c in self.candidates if self.rounds[c.label] < self.config.explore_rounds]
         if unexplored:  # the calibration ran in other conditions than serving: measure each shape served
             return self._serve(min(unexplored, key=lambda c: self.rounds[c.label]))
@@ -448,7 +490,7 @@ class AdaptivePolicy:
             chosen = rival
         elif self.config.probe_every > 0 and self._since_probe >= self.config.probe_every:
             probe, rotation = self._probe(chosen, batch_size)
-            paid = self._probe_credit >= self.probe_loss(probe, chosen, batch_size)
+            paid = self._probe_credit >= self.probe_loss(probe, chosen, batch_size, draft_lag)
             if paid or rotation:  # the turn is taken, or a dear pick of the rotation gives it up
                 self._since_probe = 0
                 self._probes += 1
@@ -457,9 +499,15 @@ class AdaptivePolicy:
                 chosen = probe
         return self._serve(chosen)
 
-    def probe_loss(self, probe: TreeShape, chosen: TreeShape, batch: int) -> float:
-        """Expected seconds a round of `probe` costs beyond what `chosen` takes to emit the same tokens."""
-        return max(0.0, self.seconds(probe, batch) - self.accept[probe] * batch / self.rate(chosen, batch))
+    def probe_loss(self, probe: TreeShape, chosen: TreeShape, batch: int, draft_lag: int = 0) -> float:
+        """Expected seconds a round of `probe` costs beyond what `chosen` takes to emit the same tokens, with the
+        draft's catch-up over `draft_lag` tokens before a speculative probe."""
+        extra = self.seconds(probe, batch) - self.accept[probe] * batch / self.rate(chosen, batch)
+        return max(0.0, extra) + (0.0 if probe.is_off else self.draft_extend.seconds(draft_lag))
+
+    def observe_draft_extend(self, tokens: int, seconds: float) -> None:
+        """A draft extend over this many tokens (a prompt's, or a catch-up after OFF rounds) took these seconds."""
+        self.draft_extend.observe(tokens, seconds)
 
     def _serve(self, shape: TreeShape) -> TreeShape:
         self.rounds[shape.label] += 1
@@ -563,6 +611,7 @@ class AdaptivePolicy:
             self.accept[c] = self.expected_accept(c)
 
     def snapshot(self) -> dict[str, Any]:
+        line = self.draft_extend.line()  # the catch-up's cost: a + b * tokens
         return {
             "policy": "adaptive",
             "current": self.current.label,
@@ -582,6 +631,7 @@ class AdaptivePolicy:
                 }
                 for c in self.candidates
             },
+            "draft_extend_seconds": None if line is None else {"fixed": line[0], "per_token": line[1]},
             "calibration": self.table.to_json(),
         }
 
@@ -595,7 +645,7 @@ class CyclePolicy:
         self.rounds: Counter[str] = Counter()
         self._i = 0
 
-    def choose(self, batch_size: int) -> TreeShape:
+    def choose(self, batch_size: int, draft_lag: int = 0) -> TreeShape:
         shape = self.candidates[self._i % len(self.candidates)]
         self._i += 1
         self.rounds[shape.label] += 1
@@ -610,6 +660,9 @@ class CyclePolicy:
         counterfactual: dict[TreeShape, list[int]] | None = None,
     ) -> None:
         """Nothing to learn: the schedule is fixed."""
+
+    def observe_draft_extend(self, tokens: int, seconds: float) -> None:
+        """Nothing to price: the schedule is fixed."""
 
     def snapshot(self) -> dict[str, Any]:
         return {

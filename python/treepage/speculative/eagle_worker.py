@@ -99,6 +99,16 @@ class SpecDebugCounters:
         }
 
 
+@dataclass
+class RoundTime:
+    """A round's wall time, and the draft's catch-up over the tokens of the OFF rounds before it, which the round
+    ran first (the policy times the round without it and prices the catch-up on its own)."""
+
+    seconds: float
+    catchup_tokens: int = 0
+    catchup_seconds: float = 0.0
+
+
 class RoundClock:
     """The spacing of consecutive decode rounds of one batch as the scheduler sees them. A round costs
     throughput the longer of its forward and the scheduler's own cycle around it (outputs, detokenisation,
@@ -158,26 +168,43 @@ class EagleWorker(Worker):
         assert self.adaptive_config is not None, "adaptive speculation is off"
         self.policy = AdaptivePolicy(self.adaptive_config, table)
 
-    def next_shape(self, batch_size: int) -> TreeShape:
-        return self.policy.choose(batch_size) if self.policy is not None else self.shape
+    def next_shape(self, reqs: list[Req]) -> TreeShape:
+        if self.policy is None:
+            return self.shape
+        lag = sum(len(self.states[r.rid].catchup_tokens) for r in reqs if r.rid in self.states)
+        return self.policy.choose(len(reqs), lag)
 
-    def observe(self, shape: TreeShape, outs: list[StepOutput], seconds: float) -> None:
-        """Feed a finished round's accept lengths and wall time to the policy (on the scheduler thread)."""
-        if self.policy is not None:
-            accept = [len(o.tokens) for o in outs if o.verified and o.tokens]
-            alt: dict[TreeShape, list[int]] = {}
-            for o in outs:
-                for label, n in (o.subtree_accept or {}).items():
-                    alt.setdefault(TreeShape.parse(label), []).append(n)
-            self.policy.observe(shape, accept, len(outs), seconds, alt)
+    def observe(self, shape: TreeShape, outs: list[StepOutput], timing: RoundTime, lap: float | None = None) -> None:
+        """Feed a finished round's accept lengths and time (the longer of the round and its lap, without the
+        draft's catch-up) to the policy, and the catch-up's time on its own (on the scheduler thread)."""
+        if self.policy is None:
+            return
+        self.policy.observe_draft_extend(timing.catchup_tokens, timing.catchup_seconds)
+        seconds = max(timing.seconds, (lap or 0.0) - timing.catchup_seconds)
+        accept = [len(o.tokens) for o in outs if o.verified and o.tokens]
+        alt: dict[TreeShape, list[int]] = {}
+        for o in outs:
+            for label, n in (o.subtree_accept or {}).items():
+                alt.setdefault(TreeShape.parse(label), []).append(n)
+        self.policy.observe(shape, accept, len(outs), seconds, alt)
+
+    def _sync(self) -> None:
+        """Wait for the device, so the host clock times what ran."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def timed_round(
         self, reqs: list[Req], allocated: list[int], shape: TreeShape
-    ) -> tuple[list[StepOutput], float]:
-        """run_round and its wall time (the round ends with host copies of its tokens, so a GPU is synced)."""
-        t0 = time.perf_counter()
+    ) -> tuple[list[StepOutput], RoundTime]:
+        """run_round and its wall time (the round ends with host copies of its tokens, so a GPU is synced), the
+        draft's catch-up before a speculative round timed apart."""
+        caught, t0 = 0, time.perf_counter()
+        if not shape.is_off:
+            caught = self._catch_up(reqs)
+            self._sync()
+        t1 = time.perf_counter()
         outs = self.run_round(reqs, allocated, shape)
-        return outs, time.perf_counter() - t0
+        return outs, RoundTime(time.perf_counter() - t1, caught, t1 - t0)
 
     # ---- the worker contract ----------------------------------------------------------------------------------
     def release(self, rids: list[str]) -> None:
@@ -192,10 +219,9 @@ class EagleWorker(Worker):
         return [self.runner, self.draft]
 
     def decode(self, reqs: list[Req]) -> list[StepOutput]:
-        shape = self.next_shape(len(reqs))
-        outs, seconds = self.timed_round(reqs, [r.allocated_len for r in reqs], shape)
-        lap = self.clock.lap([r.rid for r in reqs])
-        self.observe(shape, outs, max(seconds, lap or 0.0))
+        shape = self.next_shape(reqs)
+        outs, timing = self.timed_round(reqs, [r.allocated_len for r in reqs], shape)
+        self.observe(shape, outs, timing, self.clock.lap([r.rid for r in reqs]))
         return outs
 
     @torch.inference_mode()
@@ -217,7 +243,11 @@ class EagleWorker(Worker):
         first, lps = sample_last(last, reqs, ends)
         logits_processor.commit(reqs, [[t] if t is not None else [] for t in first])
         nxt = [(x + ([t] if t is not None else []))[a + 1 : e + 1] for x, t, a, e in zip(ids, first, starts, ends)]
+        t0 = time.perf_counter()
         self._draft_extend(reqs, nxt, starts, out.features)
+        if self.policy is not None:  # the catch-up's cost, at many tokens
+            self._sync()
+            self.policy.observe_draft_extend(sum(map(len, nxt)), time.perf_counter() - t0)
         return [logprobs.prefill_output(t, e, lp, p) for t, e, lp, p in zip(first, ends, lps, prompt_lps)]
 
     # ---- draft model helpers ----------------------------------------------------------------------------------
@@ -257,12 +287,12 @@ class EagleWorker(Worker):
             self.states[r.rid] = SpecState(committed, tokens[i][-1], p[i], idx[i], last[i])
 
     # ---- one round ----------------------------------------------------------------------------------------------
-    def _catch_up(self, reqs: list[Req]) -> None:
+    def _catch_up(self, reqs: list[Req]) -> int:
         """One draft extend over the tokens of the off rounds since each request's last one (docs/design.md,
-        "Adaptive speculation": cheaper than a one-token extend per off round)."""
+        "Adaptive speculation": cheaper than a one-token extend per off round); how many tokens it took."""
         lag = [r for r in reqs if self.states[r.rid].catchup_tokens]
         if not lag:
-            return
+            return 0
         states = [self.states[r.rid] for r in lag]
         tokens = [s.catchup_tokens for s in states]
         prefix = [s.committed - len(t) for s, t in zip(states, tokens)]
@@ -270,6 +300,7 @@ class EagleWorker(Worker):
         if self.capture != CaptureHidden.NONE:
             feats = torch.stack([f for s in states for f in s.catchup_features])
         self._draft_extend(lag, tokens, prefix, feats)
+        return sum(map(len, tokens))
 
     @torch.inference_mode()
     def run_off_round(self, reqs: list[Req], allocated: list[int]) -> list[StepOutput]:

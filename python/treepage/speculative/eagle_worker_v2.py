@@ -18,14 +18,14 @@ from treepage.core import Req, StepOutput
 from treepage.model_executor.model_runner import ModelRunner
 from treepage.server_args import ServerArgs
 from treepage.speculative.adaptive import OFF, TreeShape
-from treepage.speculative.eagle_worker import EagleWorker
+from treepage.speculative.eagle_worker import EagleWorker, RoundTime
 
 
 @dataclass
 class _Inflight:
     rids: list[str]
     shape: TreeShape
-    future: Future[tuple[list[StepOutput], float]]
+    future: Future[tuple[list[StepOutput], RoundTime]]
 
 
 class EagleWorkerV2(EagleWorker):
@@ -42,8 +42,8 @@ class EagleWorkerV2(EagleWorker):
             return
         done, self.inflight = self.inflight, None
         self.clock.reset()
-        outs, seconds = done.future.result()
-        self.observe(done.shape, outs, seconds)
+        outs, timing = done.future.result()
+        self.observe(done.shape, outs, timing)
         self.pending.update(zip(done.rids, outs))
 
     def close(self) -> None:
@@ -56,7 +56,7 @@ class EagleWorkerV2(EagleWorker):
             self.drain()
             empty = [StepOutput([], r.kv_committed_len) for r in reqs]  # new since the drained round
             return [self.pending.pop(r.rid, e) for r, e in zip(reqs, empty)]
-        shape = self.next_shape(len(reqs))
+        shape = self.next_shape(reqs)
         if shape.is_off:
             return self._decode_off_inline(reqs)
         fut = self.executor.submit(self.timed_round, list(reqs), [r.allocated_len for r in reqs], shape)
@@ -64,9 +64,8 @@ class EagleWorkerV2(EagleWorker):
         if prev is None:  # the first round of a pipeline: its tokens arrive with the next call
             self.clock.lap(rids)
             return [StepOutput([], r.kv_committed_len) for r in reqs]
-        outs, seconds = prev.future.result()
-        lap = self.clock.lap(rids)  # since the previous round's hand-back: the pipeline's period
-        self.observe(prev.shape, outs, max(seconds, lap or 0.0))
+        outs, timing = prev.future.result()
+        self.observe(prev.shape, outs, timing, self.clock.lap(rids))  # lap: the pipeline's period
         return outs
 
     def _decode_off_inline(self, reqs: list[Req]) -> list[StepOutput]:
@@ -77,11 +76,10 @@ class EagleWorkerV2(EagleWorker):
         prev, self.inflight = self.inflight, None
         if prev is not None:  # its state is this round's input: wait for it first
             self.clock.reset()  # this call runs two rounds: no lap for either
-            prev_outs, prev_seconds = prev.future.result()
-            self.observe(prev.shape, prev_outs, prev_seconds)
-        outs, seconds = self.timed_round(reqs, [r.allocated_len for r in reqs], OFF)
-        lap = self.clock.lap([r.rid for r in reqs])
-        self.observe(OFF, outs, max(seconds, lap or 0.0))
+            prev_outs, prev_timing = prev.future.result()
+            self.observe(prev.shape, prev_outs, prev_timing)
+        outs, timing = self.timed_round(reqs, [r.allocated_len for r in reqs], OFF)
+        self.observe(OFF, outs, timing, self.clock.lap([r.rid for r in reqs]))
         if prev is None:
             return outs
         self.pending.update(zip(prev.rids, outs))
