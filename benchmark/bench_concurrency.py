@@ -13,8 +13,11 @@ With `--length-spread F` > 0 each request instead gets its own length, drawn onc
 server and pass) uniformly from [(1 - F), (1 + F)] x --max-tokens, as in SGLang's bench_serving random lengths:
 fixed lengths keep plain decoding's streams in step (they finish and are prefilled together), which real traffic
 does not.
-Each server serves a level `--reps` times, the order of the servers reversed on every pass (a burst of load from
-elsewhere on a shared machine then falls on different servers). Output tok/s = completion tokens / wall time,
+Each server serves a level `--reps` times, the order of the servers rotated by one on every pass (`pass_order`):
+each server's passes lie about one round of the others apart, so a slow stretch of the host falls on different
+servers. The order used to be reversed on every pass, which put the two servers at its ends (the default and the
+control) twice back to back across each turn, and a slow minute there cost them two passes (docs/benchmarks_adaptive.md
+"Run 30"). Output tok/s = completion tokens / wall time,
 summed over a server's passes;
 ITL = the gaps between streamed chunks of a request (a speculative round may deliver several tokens in one
 chunk, as in SGLang's bench_serving). Results: benchmark/results/<--name>.json, a markdown table and a PNG.
@@ -102,6 +105,13 @@ def stream_one(client: openai.OpenAI, question: str, max_tokens: int) -> dict:
         if chunk.choices and chunk.choices[0].delta.content:
             arrivals.append(time.perf_counter())
     return {"tokens": tokens, "ttft": arrivals[0] - t0 if arrivals else None, "arrivals": arrivals}
+
+
+def pass_order(names: list[str], index: int) -> list[str]:
+    """The servers' order in the index-th pass of a run (counting over levels): rotated by one from the pass before,
+    so no server serves two passes back to back and over len(names) passes each takes every position once."""
+    k = index % len(names)
+    return names[k:] + names[:k]
 
 
 def length_range(max_tokens: int, spread: float) -> tuple[int, int]:
@@ -213,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--length-spread", type=float, default=0.0, help="output lengths uniform in (1 -/+ this) x --max-tokens"
     )
-    ap.add_argument("--reps", type=int, default=1, help="passes per level and server, the order alternating")
+    ap.add_argument("--reps", type=int, default=1, help="passes per level and server, the order rotating")
     ap.add_argument("--prompts", choices=PROMPT_SET_NAMES, default="sharegpt", help="the requests' source")
     ap.add_argument("--name", default="concurrency_cpu")
     ap.add_argument("--plot", default=str(DOCS / "bench_concurrency.png"))
@@ -255,8 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
             passes: dict[str, list[dict]] = {name: [] for name in urls}
             served: dict[str, Counter[str]] = {n: Counter() for n in urls if n in ADAPTIVE}  # rounds per shape
             for rep in range(args.reps):
-                order = list(urls) if (j + rep) % 2 == 0 else list(urls)[::-1]
-                for name in order:
+                for name in pass_order(list(urls), j * args.reps + rep):
                     before = adaptive_rounds(urls[name]) if name in served else {}
                     passes[name].append(run_level(urls[name], level, c))
                     if name in served:

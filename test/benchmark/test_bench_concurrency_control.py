@@ -37,3 +37,17 @@ def test_best_is_taken_over_the_other_servers_only():
     assert last["best"] == "fixed 3x2x6" and last["ratio"] == round(120 / 95, 3)
     run[bc.ADAPTIVE[bc.DEFAULT]] = first  # a level's entry also holds the comparisons: never read as servers
     assert bc.versus_best(run, bc.CONTROL) == last
+
+
+def test_pass_order_never_runs_a_server_twice_in_a_row():
+    """Each pass rotates the order by one: across the turn from one pass to the next no server runs twice in a row
+    (the reversed order did that to the default and the control), and over len(names) passes every server takes
+    every position once."""
+    names = list(bc.servers())
+    passes = [bc.pass_order(names, i) for i in range(3 * len(names))]
+    assert all(sorted(p) == sorted(names) for p in passes)
+    timeline = [name for p in passes for name in p]
+    assert all(a != b for a, b in zip(timeline, timeline[1:]))
+    for name in names:
+        assert sorted(p.index(name) for p in passes[: len(names)]) == list(range(len(names)))
+    assert bc.pass_order(names, 0) == names
