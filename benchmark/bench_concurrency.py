@@ -15,10 +15,9 @@ fixed lengths keep plain decoding's streams in step (they finish and are prefill
 does not.
 Each server serves a level `--reps` times, the order of the servers rotated by one on every pass (`pass_order`):
 each server's passes lie about one round of the others apart, so a slow stretch of the host falls on different
-servers. The order used to be reversed on every pass, which put the two servers at its ends (the default and the
-control) twice back to back across each turn, and a slow minute there cost them two passes (docs/benchmarks_adaptive.md
-"Run 30"). Output tok/s = completion tokens / wall time,
-summed over a server's passes;
+servers. The order used to be reversed on every pass, which ran the two servers at its ends (the default and the
+control) twice back to back at each turn, and a slow minute there cost them two passes
+(docs/benchmarks_adaptive.md "Run 30"). Output tok/s = completion tokens / wall time, summed over a server's passes;
 ITL = the gaps between streamed chunks of a request (a speculative round may deliver several tokens in one
 chunk, as in SGLang's bench_serving). Results: benchmark/results/<--name>.json, a markdown table and a PNG.
 Servers start one at a time, the default first; a second default server started last (`--control`, on by

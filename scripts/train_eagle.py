@@ -179,6 +179,11 @@ class Split:
     aux: torch.Tensor | None = None  # [N_tok, 3H]
     last: torch.Tensor | None = None  # [N_tok, H]
 
+    @property
+    def tokens(self) -> int:
+        """N_tok: the rows of the feature tensors."""
+        return sum(len(s) for s in self.ids)
+
 
 def read_split(path: str, limit: int | None) -> Split:
     ids, plen, offsets, n = [], [], [], 0
@@ -234,7 +239,7 @@ def extract_features(
     """The target's features of every row of `split`, into split.aux / split.last: in memory, or with `prefix`
     into the files `<prefix>.aux` and `<prefix>.last` (feature_file)."""
     aux_ids = default_aux_layers(cfg.num_hidden_layers)
-    n = sum(len(s) for s in split.ids)
+    n = split.tokens
     dtype, cols = next(hf.parameters()).dtype, feature_columns(cfg)
 
     def alloc(kind: str) -> torch.Tensor:
@@ -281,10 +286,9 @@ def load_or_extract(args, model_path: str, splits: dict[str, Split], device: str
             meta = json.load(f)
         dtype = getattr(torch, meta["dtype"])
         for name, s in splits.items():
-            rows = sum(len(x) for x in s.ids)
             for kind in ("aux", "last"):
                 path = os.path.join(folder, f"{name}.{kind}")
-                setattr(s, kind, feature_file(path, rows, meta[kind], dtype, False))
+                setattr(s, kind, feature_file(path, s.tokens, meta[kind], dtype, False))
         return load_config(model_path)
     t0 = time.time()
     os.makedirs(folder, exist_ok=True)
@@ -648,7 +652,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {
         "algorithm": args.algorithm,
         "train_records": len(train.ids),
-        "train_tokens": sum(len(s) for s in train.ids),
+        "train_tokens": train.tokens,
         "train_response_tokens": int(counts.sum()),
         "heldout_records": {name: len(split.ids) for name, split in ({args.heldout: held} | extra).items()},
         "draft_vocab_size": Vd,

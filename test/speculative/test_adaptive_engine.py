@@ -74,7 +74,7 @@ def test_calibrates_caches_and_stays_exact(ckpts, tmp_path, monkeypatch, version
         assert sum(info["rounds"].values()) > 0
         assert set(info["accept_estimate"]) == set(labels)
         extend = info["draft_extend_seconds"]  # the draft's prefill extends were timed for the catch-up's price
-        assert extend is not None and extend["fixed"] >= 0 and extend["per_token"] >= 0
+        assert extend is not None and extend["fixed"] + 100 * extend["per_token"] > 0, extend
         # the smaller shapes also learn from the greedy rounds of the bigger ones (subtree_accept_len)
         for label in ("3x2x6", "3x1x4", "1x1x2"):
             assert info["accept_rounds"][label] > info["rounds"][label], label

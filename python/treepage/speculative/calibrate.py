@@ -215,8 +215,7 @@ def _measure_batch(
             for shape in order:
                 t0 = time.perf_counter()
                 worker.run_round(reqs, need, shape)
-                if worker.device.type == "cuda":
-                    torch.cuda.synchronize(worker.device)
+                worker.sync_device()
                 times[shape.label].append(time.perf_counter() - t0)
         return {label: min(t) for label, t in times.items()}
 

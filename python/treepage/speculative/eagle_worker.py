@@ -105,8 +105,8 @@ class RoundTime:
     ran first (the policy times the round without it and prices the catch-up on its own)."""
 
     seconds: float
-    catchup_tokens: int = 0
-    catchup_seconds: float = 0.0
+    catchup_tokens: int
+    catchup_seconds: float
 
 
 class RoundClock:
@@ -171,7 +171,7 @@ class EagleWorker(Worker):
     def next_shape(self, reqs: list[Req]) -> TreeShape:
         if self.policy is None:
             return self.shape
-        lag = sum(len(self.states[r.rid].catchup_tokens) for r in reqs if r.rid in self.states)
+        lag = sum(len(self.states[r.rid].catchup_tokens) for r in reqs)
         return self.policy.choose(len(reqs), lag)
 
     def observe(self, shape: TreeShape, outs: list[StepOutput], timing: RoundTime, lap: float | None = None) -> None:
@@ -188,7 +188,7 @@ class EagleWorker(Worker):
                 alt.setdefault(TreeShape.parse(label), []).append(n)
         self.policy.observe(shape, accept, len(outs), seconds, alt)
 
-    def _sync(self) -> None:
+    def sync_device(self) -> None:
         """Wait for the device, so the host clock times what ran."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -198,10 +198,10 @@ class EagleWorker(Worker):
     ) -> tuple[list[StepOutput], RoundTime]:
         """run_round and its wall time (the round ends with host copies of its tokens, so a GPU is synced), the
         draft's catch-up before a speculative round timed apart."""
-        caught, t0 = 0, time.perf_counter()
-        if not shape.is_off:
-            caught = self._catch_up(reqs)
-            self._sync()
+        t0 = time.perf_counter()
+        caught = 0 if shape.is_off else self._catch_up(reqs)
+        if caught:
+            self.sync_device()
         t1 = time.perf_counter()
         outs = self.run_round(reqs, allocated, shape)
         return outs, RoundTime(time.perf_counter() - t1, caught, t1 - t0)
@@ -246,7 +246,7 @@ class EagleWorker(Worker):
         t0 = time.perf_counter()
         self._draft_extend(reqs, nxt, starts, out.features)
         if self.policy is not None:  # the catch-up's cost, at many tokens
-            self._sync()
+            self.sync_device()
             self.policy.observe_draft_extend(sum(map(len, nxt)), time.perf_counter() - t0)
         return [logprobs.prefill_output(t, e, lp, p) for t, e, lp, p in zip(first, ends, lps, prompt_lps)]
 
