@@ -125,6 +125,37 @@ def test_hysteresis_holds_and_releases():
     assert p.rounds["off"] == 11 and p.rounds[ONE.label] == 1
 
 
+def test_a_narrow_margin_between_speculative_shapes_and_a_wide_one_around_off():
+    """A switch between two speculative shapes costs nothing, so 3 % is enough to make it (`shape_hysteresis`,
+    1 %); a switch to OFF (and back, over a catch-up) needs the wide margin (`hysteresis`, 5 %)."""
+
+    def set_rate(p: AdaptivePolicy, shape: TreeShape, rate: float) -> None:
+        p.accept[shape] = rate * p.seconds(shape, 4) / 4
+
+    def case(**kw) -> AdaptivePolicy:
+        p = policy(**kw)
+        off = p.rate(OFF, 4)
+        for shape in (BIG, MID):
+            set_rate(p, shape, 0.5 * off)
+        set_rate(p, CHAIN, 1.2 * off)
+        set_rate(p, ONE, 1.2 * 1.03 * off)  # 3 % ahead of CHAIN
+        p.current = CHAIN
+        return p
+
+    p = case()
+    assert p.choose(4) == ONE
+    assert case(shape_hysteresis=0.05).choose(4) == CHAIN
+    # OFF 3 % ahead of the current shape: no switch
+    p = case()
+    set_rate(p, CHAIN, 0.5 * p.rate(OFF, 4))
+    set_rate(p, ONE, p.rate(OFF, 4) / 1.03)
+    p.current = ONE
+    assert p.choose(4) == ONE
+    assert case(hysteresis=0.01).choose(4) == ONE  # (the speculative switch above, unchanged)
+    p.config.hysteresis = 0.01
+    assert p.choose(4) == OFF
+
+
 def test_accept_estimate_moves_the_choice():
     """E[accept] = 1 + rho * h: a greedy round moves h (the one-draft excess, prior 0.6) and the ratio of every
     shape it knows (here MID and what MID contains); BIG, not known this round, moves with h alone."""

@@ -18,6 +18,7 @@ from treepage.speculative.eagle_tree import (
 )
 from treepage.speculative.eagle_verify import (
     VerifyResult,
+    chain_accept_lens,
     first_branch_of,
     subtree_accept_len,
     verify_tree_greedy,
@@ -429,3 +430,17 @@ def test_first_branch_of():
     assert res.accepted_nodes[:, :3].tolist() == [[0, 2, 4], [0, 1, -1], [0, -1, -1]]
     assert res.predict.tolist() == [[11, 22, 99, -1], [10, 99, -1, -1], [99, -1, -1, -1]]
     assert first_branch_of(tree, res.accepted_nodes).tolist() == [1, 0, -1]
+
+
+@pytest.mark.parametrize("served", [(4, 4, 16), (3, 2, 6), (5, 3, 14), (3, 1, 4), (1, 1, 2)])
+def test_chain_accept_lens_count_every_chain_as_subtree_accept_len_does(served):
+    """The chains' counterfactuals in one pass (what ONE_DRAFT's costs every round) agree with rebuilding each
+    chain's tree inside the served one, over rounds that accept at every depth and reject at the root."""
+    S, K, N = served
+    big = _path_draft(list(range(96)), K, S, N, 12)
+    accepted = verify_tree_greedy(big, _toy_target(big, 12), S).accepted_nodes
+    chains = chain_accept_lens(big, accepted)
+    assert chains.shape == (96, S)
+    for j in range(S):
+        assert chains[:, j].tolist() == subtree_accept_len(big, accepted, j + 1, 1, j + 2).tolist(), j
+    assert chains[:, 0].min() == 1 and chains[:, 0].max() == 2 and chains[:, -1].max() >= min(S + 1, 4)

@@ -122,7 +122,13 @@ class AdaptiveConfig:
 
     candidates: list[TreeShape]
     include_off: bool = True
-    hysteresis: float = 0.05  # switch only when the best shape beats the current one by this fraction
+    # switch to or from OFF only when the best shape beats the current one by this fraction: such a switch costs
+    # (back from OFF, the draft first catches up over the tokens OFF emitted)
+    hysteresis: float = 0.05
+    # between two speculative shapes a switch costs nothing (the draft keeps the widest candidate list and the
+    # holey layout is recomputed every round), so only a small margin against flapping on rounding: one as wide
+    # as `hysteresis` would keep a shape up to 5 % behind the best (run 32's c = 4: 3x1x4, 2.4 % behind 1x1x2)
+    shape_hysteresis: float = 0.01
     ema: float = 0.1  # weight of one served round in a shape's round-time estimates
     # weight of one request's round in the traffic's estimate (the one-draft excess): per request, not per round,
     # so a batch-1 round (one request's hit or miss, nearly unpredictable from the rounds before it) moves the
@@ -151,6 +157,7 @@ class AdaptiveConfig:
             "candidates",
             "include_off",
             "hysteresis",
+            "shape_hysteresis",
             "ema",
             "hit_ema",
             "prior_rounds",
@@ -339,7 +346,8 @@ class ShapePolicy(Protocol):
 
 
 class AdaptivePolicy:
-    """argmax over candidates of E[accept] * B / t_round(shape, B), with hysteresis and occasional probes.
+    """argmax over candidates of E[accept] * B / t_round(shape, B), with hysteresis (wide around OFF, narrow between
+    speculative shapes, where a switch costs nothing) and occasional probes.
 
     E[accept] (tokens emitted per request-round: accepted drafts + the bonus token; OFF emits exactly one) is
     1 + rho(shape) * h. h, the traffic, is an EMA over the requests of every speculative round of the one-draft excess
@@ -456,11 +464,12 @@ class AdaptivePolicy:
         return max(ema_weight(self.config.ema if ema is None else ema, m), m / (prior + n + m))
 
     def best(self, batch: int) -> TreeShape:
-        """The candidate with the highest expected rate, keeping the current one unless beaten by the margin."""
+        """The candidate with the highest expected rate, keeping the current one unless beaten by the margin
+        (`hysteresis` for a switch to or from OFF, `shape_hysteresis` between speculative shapes)."""
         top = max(self.candidates, key=lambda c: self.rate(c, batch))
-        if top != self.current and self.rate(top, batch) <= self.rate(self.current, batch) * (
-            1 + self.config.hysteresis
-        ):
+        off_switch = top.is_off or self.current.is_off
+        margin = self.config.hysteresis if off_switch else self.config.shape_hysteresis
+        if top != self.current and self.rate(top, batch) <= self.rate(self.current, batch) * (1 + margin):
             return self.current
         return top
 

@@ -154,6 +154,17 @@ def _best_of(member: Tensor, score: Tensor, k: int) -> Tensor:
     return torch.zeros_like(member).scatter_(1, top, member.gather(1, top))
 
 
+def chain_accept_lens(tree: EagleTree, accepted_nodes: Tensor) -> Tensor:
+    """[B, S]: column j is what a greedy chain of j + 1 steps (topk 1) would have emitted from the same draft
+    state: 1 + the accepted path's leading nodes that are each their parent's first child (the draft's most likely
+    token there). The same count as subtree_accept_len(tree, accepted_nodes, j + 1, 1, j + 2), for all chains at
+    once and without rebuilding their trees (the policy asks for ONE_DRAFT's every speculative round)."""
+    path = accepted_nodes.clamp(min=0)
+    first_child = tree.retrieve_next_token.gather(1, path[:, :-1])
+    on_chain = (accepted_nodes[:, 1:] >= 0) & (first_child == accepted_nodes[:, 1:])
+    return 1 + on_chain.to(torch.int64).cumprod(dim=1).cumsum(dim=1)
+
+
 def subtree_accept_len(
     tree: EagleTree, accepted_nodes: Tensor, steps: int, topk: int, draft_tokens: int
 ) -> Tensor:
