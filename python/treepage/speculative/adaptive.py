@@ -57,6 +57,14 @@ RATIO_EMA = 0.02  # weight of one round in a shape's excess ratio (a property of
 TIME_PRIOR_ROUNDS = 2.0  # seconds calibrated at this very batch size count as this many served rounds
 DERIVED_PRIOR_ROUNDS = 0.5  # an estimate derived from other batch sizes (interpolated, extrapolated, carried)
 MIN_PRIOR_EXCESS = 0.05  # a prior this close to one token says nothing about how predictable the traffic is
+# weight of one served round's surprise (its time against the expected) in the host's speed factor, which every
+# shape's expected time carries: faster than a shape's own time (`AdaptiveConfig.ema`), so a slow stretch of the
+# host is taken as the host's, and a shape that was not served meanwhile does not look cheap against the served
+# one (run 33: a narrow shape margin then served 3x1x4 for most of c = 2, 4x4x16 for a third of c = 1)
+HOST_EMA = 0.5
+# the host's factor learns only from rounds of a (shape, batch size) served this many times before: the surprise of
+# a round whose time is not known yet (a new load level, a shape rarely served) is the shape's own
+HOST_SETTLED_ROUNDS = 8
 PROBE_ROUNDS = 2  # rounds a close contender serves at a new load level before it counts as measured there
 # a load level is probed only once it has lasted this many rounds (batch sizes within a factor 1.5): a ramp of
 # arrivals or departures passes through sizes it does not stay at, and probes there cost without paying
@@ -361,7 +369,9 @@ class AdaptivePolicy:
     (eagle_worker.RoundClock) of the rounds served with that shape at that batch size, starting from the calibrated
     table times a per-shape scale learnt the same way at any batch size: a calibration disturbed by other processes,
     or serving conditions it did not see (the overlap thread next to the scheduler, longer contexts), is corrected
-    within a few rounds. A shape that is never chosen would keep stale estimates forever (and OFF would never learn
+    within a few rounds. All of these are net of a speed factor of the host that every shape's time carries
+    (HOST_EMA): a slow stretch of the host moves every shape's expected time, so a shape not served meanwhile does
+    not come to look cheap against the served one. A shape that is never chosen would keep stale estimates forever (and OFF would never learn
     that the traffic became predictable), so every `probe_every` rounds another candidate (OFF included) runs once:
     in turn the best other one, and the one served longest ago among the rest whose estimate is within
     `probe_margin` of the chosen shape's (ranked below the runner-up, a shape whose estimate came out low, say from
@@ -404,6 +414,9 @@ class AdaptivePolicy:
         self.timed: Counter[TreeShape] = Counter()
         self.served_log_seconds: dict[tuple[TreeShape, int], float] = {}  # per (shape, batch size)
         self.served: Counter[tuple[TreeShape, int]] = Counter()
+        # log of the host's speed factor, common to every shape: a stretch where the host runs slow (another
+        # process on the cores) slows whatever is served, so it moves every shape's time, not only the served one's
+        self.log_host = 0.0
         self.current: TreeShape = self.candidates[0]
         self._since_probe = 0
         self._probes = 0
@@ -418,9 +431,13 @@ class AdaptivePolicy:
         return self.accept[shape] * batch / self.seconds(shape, batch)
 
     def seconds(self, shape: TreeShape, batch: int) -> float:
-        """Expected seconds of one round: what served rounds of this shape at this batch size took; else what
-        they took at the nearest served batch size, carried over by the table's ratio between the two sizes;
-        else the calibrated table scaled by what this shape's served rounds took at any batch size."""
+        """Expected seconds of one round: the host's current speed factor times the shape's own time."""
+        return math.exp(self.log_host) * self.base_seconds(shape, batch)
+
+    def base_seconds(self, shape: TreeShape, batch: int) -> float:
+        """A round's seconds net of the host's speed: what served rounds of this shape at this batch size took;
+        else what they took at the nearest served batch size, carried over by the table's ratio between the two
+        sizes; else the calibrated table scaled by what this shape's served rounds took at any batch size."""
         served = self.served_log_seconds.get((shape, batch))
         if served is not None:
             return math.exp(served)
@@ -559,14 +576,17 @@ class AdaptivePolicy:
             self._level, self._level_rounds = batch, 1
         log_s = math.log(max(seconds, 1e-6))
         key = (shape, batch)
-        before = math.log(self.seconds(shape, batch))
+        before = math.log(self.base_seconds(shape, batch))
+        if self.served[key] >= HOST_SETTLED_ROUNDS:  # a known time: the host's factor takes the surprise first
+            self.log_host += HOST_EMA * (log_s - self.log_host - before)
+        net = log_s - self.log_host
         calibrated_here = batch in self.table.round_seconds.get(shape.label, {})
         w = self._weight(self.served[key], TIME_PRIOR_ROUNDS if calibrated_here else DERIVED_PRIOR_ROUNDS)
         self.served[key] += 1
-        self.served_log_seconds[key] = (1 - w) * before + w * log_s
+        self.served_log_seconds[key] = (1 - w) * before + w * net
         w = self._weight(self.timed[shape], TIME_PRIOR_ROUNDS)
         self.timed[shape] += 1
-        ratio = log_s - math.log(self.table.seconds(shape, batch))
+        ratio = net - math.log(self.table.seconds(shape, batch))
         self.log_time_scale[shape] = (1 - w) * self.log_time_scale[shape] + w * ratio
         if shape.is_off:  # no draft ran: h, stale, returns towards the long-run traffic at the rate it learns
             w = ema_weight(self.config.hit_ema, batch)
@@ -632,6 +652,7 @@ class AdaptivePolicy:
             # rounds each estimate has seen: served ones, and those of bigger shapes that contain it
             "accept_rounds": {c.label: self.observed[c] for c in self.candidates if not c.is_off},
             "time_scale": {c.label: round(math.exp(x), 4) for c, x in self.log_time_scale.items()},
+            "host_speed_factor": round(math.exp(self.log_host), 4),  # every shape's time is multiplied by it
             "served_seconds": {
                 c.label: {
                     b: round(math.exp(x), 5)
