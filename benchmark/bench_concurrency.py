@@ -165,10 +165,25 @@ def summarize(passes: list[dict]) -> dict:
     }
 
 
-def adaptive_rounds(base_url: str) -> dict[str, int]:
-    """The default server's rounds per shape so far (/get_server_info)."""
+# what the policy believed at the end of each pass: why it served the shapes it served
+POLICY_STATE_KEYS = ("current", "one_draft_excess", "excess_ratio", "accept_estimate", "host_speed_factor")
+
+
+def adaptive_state(base_url: str) -> dict:
+    """The default server's policy snapshot (/get_server_info): rounds per shape so far, estimates."""
     info = httpx.get(f"{base_url}/get_server_info", timeout=10).json()
-    return dict((info.get("speculative_adaptive") or {}).get("rounds", {}))
+    return dict(info.get("speculative_adaptive") or {})
+
+
+def policy_state(state: dict, concurrency: int) -> dict:
+    """The estimates behind the choice at one level: POLICY_STATE_KEYS and the expected round seconds of each shape
+    at the batch sizes this level runs (1 to its concurrency)."""
+    out = {k: state.get(k) for k in POLICY_STATE_KEYS}
+    served = state.get("served_seconds", {})
+    out["served_seconds"] = {
+        shape: {b: t for b, t in times.items() if int(b) <= concurrency} for shape, times in served.items()
+    }
+    return out
 
 
 def versus_best(run: dict, name: str = DEFAULT) -> dict:
@@ -263,15 +278,19 @@ def main(argv: list[str] | None = None) -> dict:
             level = requests[: max(args.requests, c)]
             passes: dict[str, list[dict]] = {name: [] for name in urls}
             served: dict[str, Counter[str]] = {n: Counter() for n in urls if n in ADAPTIVE}  # rounds per shape
+            states: dict[str, list[dict]] = {n: [] for n in served}
             for rep in range(args.reps):
                 for name in pass_order(list(urls), j * args.reps + rep):
-                    before = adaptive_rounds(urls[name]) if name in served else {}
+                    before = adaptive_state(urls[name]).get("rounds", {}) if name in served else {}
                     passes[name].append(run_level(urls[name], level, c))
                     if name in served:
-                        served[name].update(Counter(adaptive_rounds(urls[name])) - Counter(before))
+                        after = adaptive_state(urls[name])
+                        served[name].update(Counter(after.get("rounds", {})) - Counter(before))
+                        states[name].append(policy_state(after, c))
             results["runs"][str(c)] = {name: summarize(p) for name, p in passes.items()}
             for name, rounds in served.items():
                 results["runs"][str(c)][name]["adaptive_rounds"] = dict(rounds)
+                results["runs"][str(c)][name]["policy_state_per_pass"] = states[name]
         info = httpx.get(f"{urls[DEFAULT]}/get_server_info", timeout=10).json()
         results["default_server_info"] = {
             k: info.get(k) for k in ("dtype", "page_size", "spec_version", "speculative_adaptive")

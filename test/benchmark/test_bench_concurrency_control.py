@@ -51,3 +51,22 @@ def test_pass_order_never_runs_a_server_twice_in_a_row():
     for name in names:
         assert sorted(p.index(name) for p in passes[: len(names)]) == list(range(len(names)))
     assert bc.pass_order(names, 0) == names
+
+
+def test_policy_state_keeps_the_estimates_and_the_level_s_batch_sizes():
+    """Each pass records what the default's policy believed (why it served what it served), with the expected
+    round times at the batch sizes the level runs only."""
+    snapshot = {
+        "current": "3x2x6",
+        "one_draft_excess": 0.47,
+        "excess_ratio": {"3x2x6": 2.2},
+        "accept_estimate": {"3x2x6": 2.03, "off": 1.0},
+        "host_speed_factor": 1.1,
+        "served_seconds": {"3x2x6": {"1": 0.045, "2": 0.05, "8": 0.09}, "off": {"16": 0.05}},
+        "calibration": {"round_seconds": {}},
+        "rounds": {"3x2x6": 10},
+    }
+    state = bc.policy_state(snapshot, 2)
+    assert set(state) == {*bc.POLICY_STATE_KEYS, "served_seconds"}
+    assert state["served_seconds"] == {"3x2x6": {"1": 0.045, "2": 0.05}, "off": {}}
+    assert state["host_speed_factor"] == 1.1 and state["current"] == "3x2x6"
