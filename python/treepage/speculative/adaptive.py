@@ -60,7 +60,7 @@ MIN_PRIOR_EXCESS = 0.05  # a prior this close to one token says nothing about ho
 # weight of one served round's surprise (its time against the expected) in the host's speed factor, which every
 # shape's expected time carries: faster than a shape's own time (`AdaptiveConfig.ema`), so a slow stretch of the
 # host is taken as the host's, and a shape that was not served meanwhile does not look cheap against the served
-# one (run 33: a narrow shape margin then served 3x1x4 for most of c = 2, 4x4x16 for a third of c = 1)
+# one (run 33, docs/benchmarks_adaptive.md: with the narrow shape margin, 3x1x4 served in 53 % of c = 2's rounds)
 HOST_EMA = 0.5
 # the host's factor learns only from rounds of a (shape, batch size) served this many times before: the surprise of
 # a round whose time is not known yet (a new load level, a shape rarely served) is the shape's own
@@ -371,8 +371,9 @@ class AdaptivePolicy:
     or serving conditions it did not see (the overlap thread next to the scheduler, longer contexts), is corrected
     within a few rounds. All of these are net of a speed factor of the host that every shape's time carries
     (HOST_EMA): a slow stretch of the host moves every shape's expected time, so a shape not served meanwhile does
-    not come to look cheap against the served one. A shape that is never chosen would keep stale estimates forever (and OFF would never learn
-    that the traffic became predictable), so every `probe_every` rounds another candidate (OFF included) runs once:
+    not come to look cheap against the served one. A shape that is never chosen would keep stale estimates
+    forever (and OFF would never learn that the traffic became predictable), so every `probe_every` rounds another
+    candidate (OFF included) runs once:
     in turn the best other one, and the one served longest ago among the rest whose estimate is within
     `probe_margin` of the chosen shape's (ranked below the runner-up, a shape whose estimate came out low, say from
     its few start-up rounds, would otherwise never be measured again; one far below is not worth a round). A probe

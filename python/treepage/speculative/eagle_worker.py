@@ -460,8 +460,9 @@ class EagleWorker(Worker):
         accept: list[int],
     ) -> list[dict[str, int] | None]:
         """Per greedy request, what this shape emitted and what ONE_DRAFT and each smaller candidate would have
-        (subtree_accept_len; chain_accept_lens for all chains at once), whenever the worker has several shapes: the adaptive policy learns from rounds it did
-        not run, and the start-up calibration reads every contained shape's prior off the largest one's rounds."""
+        (subtree_accept_len; chain_accept_lens for all chains at once), whenever the worker has several shapes: the
+        adaptive policy learns from rounds it did not run, and the start-up calibration reads every contained
+        shape's prior off the largest one's rounds."""
         if len(self.shapes) < 2:
             return [None] * len(reqs)
         smaller = list(dict.fromkeys(c for c in [ONE_DRAFT, *sub_shapes(self.shapes, shape)] if c != shape))
