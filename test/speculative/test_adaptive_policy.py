@@ -125,12 +125,14 @@ def test_hysteresis_holds_and_releases():
     assert p.rounds["off"] == 11 and p.rounds[ONE.label] == 1
 
 
+def set_rate(p: AdaptivePolicy, shape: TreeShape, rate: float, batch: int = 4) -> None:
+    """Set the shape's accept estimate so that its expected rate at this batch size is `rate`."""
+    p.accept[shape] = rate * p.seconds(shape, batch) / batch
+
+
 def test_a_narrow_margin_between_speculative_shapes_and_a_wide_one_around_off():
     """A switch between two speculative shapes costs nothing, so 3 % is enough to make it (`shape_hysteresis`,
     1 %); a switch to OFF (and back, over a catch-up) needs the wide margin (`hysteresis`, 5 %)."""
-
-    def set_rate(p: AdaptivePolicy, shape: TreeShape, rate: float) -> None:
-        p.accept[shape] = rate * p.seconds(shape, 4) / 4
 
     def case(**kw) -> AdaptivePolicy:
         p = policy(**kw)
@@ -164,8 +166,8 @@ def test_a_slow_stretch_of_the_host_moves_every_shape():
     for shape in (BIG, ONE):
         p.accept[shape] = 1.0
     true = {MID: p.seconds(MID, 4), CHAIN: p.seconds(CHAIN, 4)}
-    p.accept[CHAIN] = 1.5 * p.rate(OFF, 4) * true[CHAIN] / 4  # well ahead of OFF
-    p.accept[MID] = 1.03 * p.accept[CHAIN] * true[MID] / true[CHAIN]  # 3 % ahead of CHAIN
+    set_rate(p, CHAIN, 1.5 * p.rate(OFF, 4))  # well ahead of OFF
+    set_rate(p, MID, 1.03 * p.rate(CHAIN, 4))  # 3 % ahead of CHAIN
     p.current = MID
 
     def serve(rounds: int, host: float) -> list[TreeShape]:

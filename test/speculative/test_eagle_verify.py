@@ -20,6 +20,7 @@ from treepage.speculative.eagle_verify import (
     VerifyResult,
     chain_accept_lens,
     first_branch_of,
+    rebuilt_subtree_accept_len,
     subtree_accept_len,
     verify_tree_greedy,
     verify_tree_sampling,
@@ -433,14 +434,15 @@ def test_first_branch_of():
 
 
 @pytest.mark.parametrize("served", [(4, 4, 16), (3, 2, 6), (5, 3, 14), (3, 1, 4), (1, 1, 2)])
-def test_chain_accept_lens_count_every_chain_as_subtree_accept_len_does(served):
-    """The chains' counterfactuals in one pass (what ONE_DRAFT's costs every round) agree with rebuilding each
-    chain's tree inside the served one, over rounds that accept at every depth and reject at the root."""
+def test_chain_accept_lens_count_every_chain_as_rebuilding_its_tree_does(served):
+    """The chains' counterfactuals in one pass (what ONE_DRAFT's costs every round, and what subtree_accept_len
+    answers chains with) agree with rebuilding each chain's tree inside the served one, over rounds that accept at
+    every depth and reject at the root."""
     S, K, N = served
     big = _path_draft(list(range(96)), K, S, N, 12)
     accepted = verify_tree_greedy(big, _toy_target(big, 12), S).accepted_nodes
     chains = chain_accept_lens(big, accepted)
     assert chains.shape == (96, S)
     for j in range(S):
-        assert chains[:, j].tolist() == subtree_accept_len(big, accepted, j + 1, 1, j + 2).tolist(), j
+        assert chains[:, j].tolist() == rebuilt_subtree_accept_len(big, accepted, j + 1, 1, j + 2).tolist(), j
     assert chains[:, 0].min() == 1 and chains[:, 0].max() == 2 and chains[:, -1].max() >= min(S + 1, 4)

@@ -157,8 +157,8 @@ def _best_of(member: Tensor, score: Tensor, k: int) -> Tensor:
 def chain_accept_lens(tree: EagleTree, accepted_nodes: Tensor) -> Tensor:
     """[B, S]: column j is what a greedy chain of j + 1 steps (topk 1) would have emitted from the same draft
     state: 1 + the accepted path's leading nodes that are each their parent's first child (the draft's most likely
-    token there). The same count as subtree_accept_len(tree, accepted_nodes, j + 1, 1, j + 2), for all chains at
-    once and without rebuilding their trees (the policy asks for ONE_DRAFT's every speculative round)."""
+    token there). The count rebuilding the chain's tree would give (rebuilt_subtree_accept_len), without rebuilding
+    it: subtree_accept_len answers chains with it (the policy asks for ONE_DRAFT's every speculative round)."""
     path = accepted_nodes.clamp(min=0)
     first_child = tree.retrieve_next_token.gather(1, path[:, :-1])
     on_chain = (accepted_nodes[:, 1:] >= 0) & (first_child == accepted_nodes[:, 1:])
@@ -169,7 +169,18 @@ def subtree_accept_len(
     tree: EagleTree, accepted_nodes: Tensor, steps: int, topk: int, draft_tokens: int
 ) -> Tensor:
     """[B]: the tokens a greedy round of the smaller shape (steps, topk, draft_tokens) would have emitted from the
-    same draft state, read off this round's tree and its greedy accepted path (`accepted_nodes`, [B, S+1]).
+    same draft state, read off this round's tree and its greedy accepted path (`accepted_nodes`, [B, S+1]): for a
+    chain no deeper than this round, its first-child path (chain_accept_lens: a few tensor ops, no tree to
+    rebuild); else its tree rebuilt inside this one (rebuilt_subtree_accept_len)."""
+    if topk == 1 and draft_tokens == steps + 1 and steps < accepted_nodes.shape[1]:
+        return chain_accept_lens(tree, accepted_nodes)[:, steps - 1]
+    return rebuilt_subtree_accept_len(tree, accepted_nodes, steps, topk, draft_tokens)
+
+
+def rebuilt_subtree_accept_len(
+    tree: EagleTree, accepted_nodes: Tensor, steps: int, topk: int, draft_tokens: int
+) -> Tensor:
+    """subtree_accept_len for any shape.
 
     The smaller round's tree is rebuilt inside this one the way the draft builds it: at each depth, the top
     `topk` children of the frontier, the frontier being the `topk` best of them by score; then the

@@ -44,7 +44,6 @@ from treepage.speculative.eagle_tree import (
 )
 from treepage.speculative.eagle_verify import (
     VerifyResult,
-    chain_accept_lens,
     first_branch_of,
     subtree_accept_len,
     verify_tree_greedy,
@@ -460,22 +459,13 @@ class EagleWorker(Worker):
         accept: list[int],
     ) -> list[dict[str, int] | None]:
         """Per greedy request, what this shape emitted and what ONE_DRAFT and each smaller candidate would have
-        (subtree_accept_len; chain_accept_lens for all chains at once), whenever the worker has several shapes: the
-        adaptive policy learns from rounds it did not run, and the start-up calibration reads every contained
-        shape's prior off the largest one's rounds."""
+        (subtree_accept_len), whenever the worker has several shapes: the adaptive policy learns from rounds it did
+        not run, and the start-up calibration reads every contained shape's prior off the largest one's rounds."""
         if len(self.shapes) < 2:
             return [None] * len(reqs)
         smaller = list(dict.fromkeys(c for c in [ONE_DRAFT, *sub_shapes(self.shapes, shape)] if c != shape))
-        table: list[list[int]] = [[] for _ in reqs]
-        if smaller:
-            chains = chain_accept_lens(tree, accepted_nodes)  # every chain shape (ONE_DRAFT too) at once
-            cols = [
-                chains[:, c.steps - 1]
-                if c.topk == 1
-                else subtree_accept_len(tree, accepted_nodes, c.steps, c.topk, c.draft_tokens)
-                for c in smaller
-            ]
-            table = torch.stack(cols, dim=1).tolist()
+        cols = [subtree_accept_len(tree, accepted_nodes, c.steps, c.topk, c.draft_tokens) for c in smaller]
+        table = torch.stack(cols, dim=1).tolist() if cols else [[] for _ in reqs]
         return [
             {shape.label: a} | {c.label: n for c, n in zip(smaller, row)} if r.sampling.greedy else None
             for r, row, a in zip(reqs, table, accept)
