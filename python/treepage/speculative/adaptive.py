@@ -17,7 +17,7 @@ import os
 import statistics
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -53,7 +53,6 @@ OFF = TreeShape(0, 1, 1)
 # says what it would have emitted. Its excess over one token is the policy's measure of the traffic.
 ONE_DRAFT = TreeShape(1, 1, 2)
 LONG_HIT_SPAN = 10.0  # the long-run traffic estimate averages over this many times more request-rounds than h
-RATIO_EMA = 0.02  # weight of one round in a shape's excess ratio (a property of the shape more than of the text)
 TIME_PRIOR_ROUNDS = 2.0  # seconds calibrated at this very batch size count as this many served rounds
 DERIVED_PRIOR_ROUNDS = 0.5  # an estimate derived from other batch sizes (interpolated, extrapolated, carried)
 MIN_PRIOR_EXCESS = 0.05  # a prior this close to one token says nothing about how predictable the traffic is
@@ -142,6 +141,11 @@ class AdaptiveConfig:
     # so a batch-1 round (one request's hit or miss, nearly unpredictable from the rounds before it) moves the
     # estimate as little as one request of a batch-16 round does; a faster one chases noise (docs/design.md)
     hit_ema: float = 0.01
+    # weight of one request's round in a shape's excess ratio rho (a property of the shape more than of the text,
+    # so slower than h): per request too, so at batch 1, where a round is one request's hit or miss, the ratio of two
+    # close shapes does not swing the choice between them (run 35: 3x2x6's estimate dipped from 1.92 to 1.81 at
+    # 0.02 per round); 0.005 weighs a batch-4 round as the former 0.02 per round did
+    ratio_ema: float = 0.005
     prior_rounds: float = 4.0  # the calibration prior counts as this many rounds before the averages take over
     probe_every: int = 32  # rounds between probes of another candidate (refreshes its estimates)
     explore_rounds: int = 4  # at start-up each candidate serves this many rounds, so served times exist
@@ -161,19 +165,7 @@ class AdaptiveConfig:
             raw = json.load(f)
         if not isinstance(raw, dict):
             raise ValueError(f"--speculative-adaptive-config {path}: expected a JSON object")
-        known = {
-            "candidates",
-            "include_off",
-            "hysteresis",
-            "shape_hysteresis",
-            "ema",
-            "hit_ema",
-            "prior_rounds",
-            "probe_every",
-            "explore_rounds",
-            "probe_margin",
-            "probe_budget",
-        }
+        known = {k.name for k in fields(AdaptiveConfig)}
         unknown = set(raw) - known
         if unknown:
             raise ValueError(
@@ -361,11 +353,11 @@ class AdaptivePolicy:
     1 + rho(shape) * h. h, the traffic, is an EMA over the requests of every speculative round of the one-draft excess
     (how often the target takes the draft's most likely first token; `hit_ema` per request-round): every greedy
     round of any shape knows it (eagle_verify.subtree_accept_len of ONE_DRAFT), so it tracks the text whatever is
-    served. rho(shape) is the shape's excess over one token per unit of h, a slow ratio of averages over the rounds
-    where the shape's accept length is known in the same round: rounds it served, and greedy rounds of any shape
-    that contains it (`sub_shapes`). Paired on the same rounds, rho does not depend on which stretch of text the
-    shape happened to be served on; the calibration prior counts as `prior_rounds` rounds of each (of h:
-    request-rounds). t_round(shape, B) is an EMA (in log space, so one slow outlier does not dominate) of the laps
+    served. rho(shape) is the shape's excess over one token per unit of h, a slow ratio of averages (`ratio_ema`
+    per request-round) over the rounds where the shape's accept length is known in the same round: rounds it
+    served, and greedy rounds of any shape that contains it (`sub_shapes`). Paired on the same rounds, rho does not
+    depend on which stretch of text the shape happened to be served on; the calibration prior counts as
+    `prior_rounds` request-rounds of h and of each rho. t_round(shape, B) is an EMA (in log space, so one slow outlier does not dominate) of the laps
     (eagle_worker.RoundClock) of the rounds served with that shape at that batch size, starting from the calibrated
     table times a per-shape scale learnt the same way at any batch size: a calibration disturbed by other processes,
     or serving conditions it did not see (the overlap thread next to the scheduler, longer contexts), is corrected
@@ -406,7 +398,7 @@ class AdaptivePolicy:
         # rho = num / den: averages of the shape's excess and of the one-draft excess over the same rounds
         self.ratio_num = dict(excess)
         self.ratio_den = dict.fromkeys(spec, hit0)
-        self.ratio_mass = dict.fromkeys(spec, k)  # total weight behind num and den (the prior's, then rounds')
+        self.ratio_mass = dict.fromkeys(spec, k)  # request-rounds behind num and den (the prior's, then served)
         self.accept: dict[TreeShape, float] = {c: 1.0 for c in self.candidates}  # the E[accept] ranked by
         self._refresh_accept()
         self.rounds: Counter[str] = Counter()
@@ -611,8 +603,9 @@ class AdaptivePolicy:
             hit = excess(ref)
             for c, lens in counterfactual.items():
                 if c in self.ratio_num and lens and len(lens) == len(ref):
-                    w = max(RATIO_EMA, 1.0 / (self.ratio_mass[c] + 1.0))
-                    self.ratio_mass[c] += 1.0
+                    m = len(ref)  # the round's greedy requests: m samples of both averages
+                    w = max(ema_weight(self.config.ratio_ema, m), m / (self.ratio_mass[c] + m))
+                    self.ratio_mass[c] += m
                     self.ratio_num[c] = (1 - w) * self.ratio_num[c] + w * excess(lens)
                     self.ratio_den[c] = (1 - w) * self.ratio_den[c] + w * hit
                     self.observed[c] += 1
