@@ -147,7 +147,10 @@ class AdaptiveConfig:
     # 0.02 per round); 0.005 weighs a batch-4 round as the former 0.02 per round did
     ratio_ema: float = 0.005
     prior_rounds: float = 4.0  # the calibration prior counts as this many rounds before the averages take over
-    probe_every: int = 32  # rounds between probes of another candidate (refreshes its estimates)
+    # rounds between probes of another candidate (refreshes its estimates); their cost is bounded by probe_budget,
+    # so this only says how often a cheap probe (a close runner-up) may run: at 32 a runner-up whose start-up
+    # rounds came out low kept its low estimate (docs/design.md)
+    probe_every: int = 8
     explore_rounds: int = 4  # at start-up each candidate serves this many rounds, so served times exist
     # a candidate never served near the current batch size is probed once there when its estimate is at least
     # this fraction of the chosen shape's (a new load level is measured in its first rounds, not 32 later); the
