@@ -209,9 +209,13 @@ def decode_logits(engine: Engine, sequences: list[list[int]], n: int) -> torch.T
 @needs_native
 def test_bf16_decode_runs_on_the_kernel_and_stays_as_close_to_fp32(smollm2_gguf_path, monkeypatch):
     """The default model in bf16, teacher-forced along the fp32 model's greedy tokens: every projection and the
-    head of every decode step run in the kernel, and its logits are as close to fp32's as those of bf16 on torch's
-    matmul (both round once from fp32 sums; only the order of the sums differs). Logits, not generated tokens:
-    any two bf16 paths part after a chance near-tie, so which one follows fp32 further is a coin toss."""
+    head of every decode step run in the kernel, and its logits stay about as close to fp32's as those of bf16 on
+    torch's matmul. Both round once from fp32 sums (test_kernel_rounds_once_to_nearest_even checks the kernel's
+    rounding exactly), so through 30 layers their errors differ only by chance, and by more than a tight bound
+    allows: 0.124 against 0.105 on an AMD EPYC with AVX512-BF16, where a kernel that truncated its sums instead of
+    rounding them came within 1.15 of torch's. The bound of 1.5 catches what breaks a model: a kernel that
+    dropped the last 8 of each row's products made 17 times torch's error. Logits, not generated tokens: any two
+    bf16 paths part after a chance near-tie, so which one follows fp32 further is a coin toss."""
     n = 16
 
     def engine(dtype: str) -> Engine:
@@ -250,6 +254,6 @@ def test_bf16_decode_runs_on_the_kernel_and_stays_as_close_to_fp32(smollm2_gguf_
         bf16.shutdown()
     kernel_err = (on_kernel - reference).abs().mean().item()
     torch_err = (on_torch - reference).abs().mean().item()
-    assert 0 < kernel_err <= 1.15 * torch_err, (kernel_err, torch_err)
+    assert 0 < kernel_err <= 1.5 * torch_err, (kernel_err, torch_err)
     top1 = reference.argmax(-1)
     assert (on_kernel.argmax(-1) == top1).sum() >= (on_torch.argmax(-1) == top1).sum() - 2
