@@ -248,7 +248,9 @@ def test_cycle_policy_visits_every_shape_and_off():
 def test_config_file(tmp_path):
     path = tmp_path / "adaptive.json"
     path.write_text(
-        json.dumps({"candidates": [[3, 1, 4], [1, 1, 2]], "hysteresis": 0.2, "include_off": False, "ratio_ema": 0.01})
+        json.dumps(
+            {"candidates": [[3, 1, 4], [1, 1, 2]], "hysteresis": 0.2, "include_off": False, "ratio_ema": 0.01}
+        )
     )
     cfg = AdaptiveConfig.load(str(path), BIG)
     assert cfg.candidates == [CHAIN, ONE] and cfg.hysteresis == 0.2 and cfg.include_off is False

@@ -141,10 +141,10 @@ class AdaptiveConfig:
     # so a batch-1 round (one request's hit or miss, nearly unpredictable from the rounds before it) moves the
     # estimate as little as one request of a batch-16 round does; a faster one chases noise (docs/design.md)
     hit_ema: float = 0.01
-    # weight of one request's round in a shape's excess ratio rho (a property of the shape more than of the text,
-    # so slower than h): per request too, so at batch 1, where a round is one request's hit or miss, the ratio of two
-    # close shapes does not swing the choice between them (run 35: 3x2x6's estimate dipped from 1.92 to 1.81 at
-    # 0.02 per round); 0.005 weighs a batch-4 round as the former 0.02 per round did
+    # weight of one request's round in a shape's excess ratio rho (a property of the shape more than of the
+    # text, so slower than h): per request too, so at batch 1, where a round is one request's hit or miss, the
+    # ratio of two close shapes does not swing the choice between them (run 35: 3x2x6's estimate dipped from
+    # 1.92 to 1.81 at 0.02 per round); 0.005 weighs a batch-4 round as the former 0.02 per round did
     ratio_ema: float = 0.005
     prior_rounds: float = 4.0  # the calibration prior counts as this many rounds before the averages take over
     # rounds between probes of another candidate (refreshes its estimates); their cost is bounded by probe_budget,
@@ -358,13 +358,14 @@ class AdaptivePolicy:
     round of any shape knows it (eagle_verify.subtree_accept_len of ONE_DRAFT), so it tracks the text whatever is
     served. rho(shape) is the shape's excess over one token per unit of h, a slow ratio of averages (`ratio_ema`
     per request-round) over the rounds where the shape's accept length is known in the same round: rounds it
-    served, and greedy rounds of any shape that contains it (`sub_shapes`). Paired on the same rounds, rho does not
-    depend on which stretch of text the shape happened to be served on; the calibration prior counts as
-    `prior_rounds` request-rounds of h and of each rho. t_round(shape, B) is an EMA (in log space, so one slow outlier does not dominate) of the laps
-    (eagle_worker.RoundClock) of the rounds served with that shape at that batch size, starting from the calibrated
-    table times a per-shape scale learnt the same way at any batch size: a calibration disturbed by other processes,
-    or serving conditions it did not see (the overlap thread next to the scheduler, longer contexts), is corrected
-    within a few rounds. All of these are net of a speed factor of the host that every shape's time carries
+    served, and greedy rounds of any shape that contains it (`sub_shapes`). Paired on the same rounds, rho does
+    not depend on which stretch of text the shape happened to be served on; the calibration prior counts as
+    `prior_rounds` request-rounds of h and of each rho. t_round(shape, B) is an EMA (in log space, so one slow
+    outlier does not dominate) of the laps (eagle_worker.RoundClock) of the rounds served with that shape at that
+    batch size, starting from the calibrated table times a per-shape scale learnt the same way at any batch size:
+    a calibration disturbed by other processes, or serving conditions it did not see (the overlap thread next to
+    the scheduler, longer contexts), is corrected within a few rounds.
+    All of these are net of a speed factor of the host that every shape's time carries
     (HOST_EMA): a slow stretch of the host moves every shape's expected time, so a shape not served meanwhile does
     not come to look cheap against the served one. A shape that is never chosen would keep stale estimates
     forever (and OFF would never learn that the traffic became predictable), so every `probe_every` rounds another
@@ -394,14 +395,13 @@ class AdaptivePolicy:
         # the calibration's one-draft excess; without that candidate, the smallest one bounds it from above
         hit0 = table.prior_accept.get(ONE_DRAFT.label)
         hit0 = max(hit0 - 1.0, MIN_PRIOR_EXCESS) if hit0 is not None else min(excess.values(), default=0.5)
-        k = config.prior_rounds
         self.hit = hit0  # h: the one-draft excess of the recent request-rounds
         self.hit_samples = 0  # request-rounds behind h
         self.hit_long = hit0  # the same, LONG_HIT_SPAN times slower: where h returns to while OFF serves
         # rho = num / den: averages of the shape's excess and of the one-draft excess over the same rounds
         self.ratio_num = dict(excess)
         self.ratio_den = dict.fromkeys(spec, hit0)
-        self.ratio_mass = dict.fromkeys(spec, k)  # request-rounds behind num and den (the prior's, then served)
+        self.ratio_samples: Counter[TreeShape] = Counter()  # request-rounds behind num and den, beside the prior
         self.accept: dict[TreeShape, float] = {c: 1.0 for c in self.candidates}  # the E[accept] ranked by
         self._refresh_accept()
         self.rounds: Counter[str] = Counter()
@@ -603,12 +603,11 @@ class AdaptivePolicy:
 
         ref = counterfactual.get(ONE_DRAFT) or (accept_lens if shape == ONE_DRAFT else None)
         if ref:
-            hit = excess(ref)
+            hit, m = excess(ref), len(ref)  # the round's m greedy requests: m samples of h and of each ratio
             for c, lens in counterfactual.items():
-                if c in self.ratio_num and lens and len(lens) == len(ref):
-                    m = len(ref)  # the round's greedy requests: m samples of both averages
-                    w = max(ema_weight(self.config.ratio_ema, m), m / (self.ratio_mass[c] + m))
-                    self.ratio_mass[c] += m
+                if c in self.ratio_num and lens and len(lens) == m:
+                    w = self._weight(self.ratio_samples[c], self.config.prior_rounds, self.config.ratio_ema, m)
+                    self.ratio_samples[c] += m
                     self.ratio_num[c] = (1 - w) * self.ratio_num[c] + w * excess(lens)
                     self.ratio_den[c] = (1 - w) * self.ratio_den[c] + w * hit
                     self.observed[c] += 1
