@@ -29,10 +29,12 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "scripts"))
 
 from common import (  # noqa: E402
+    DEFAULT_SET_SIZE,
     chat_ids,
     ensure_passive_omp,
     machine_info,
     machine_line,
+    parse_set_sizes,
     print_table,
     profile_decode,
     prompt_sets,
@@ -151,7 +153,7 @@ def decode_set(
     """All prompts, `group` submitted together, with one seed per prompt; accept length over the whole set."""
     dbg = engine.worker.debug if engine.args.speculation else None
     r0, e0 = (dbg.rounds, dbg.emitted) if dbg else (0, 0)
-    outputs = []
+    outputs, per_prompt = [], []
     for g in range(0, len(prompts), group):
         sinks: list[queue.Queue] = []
         for i, ids in enumerate(prompts[g : g + group]):
@@ -165,8 +167,13 @@ def decode_set(
             while not acc.finished:
                 acc.add(q.get())
             outputs.append(acc.output_ids)
+            per_prompt.append(round(acc.meta_info.get("spec_accept_length", 0.0), 3))
     rounds = dbg.rounds - r0 if dbg else 0
-    return {"accept_len": round((dbg.emitted - e0) / rounds, 3) if rounds else None, "outputs": outputs}
+    return {
+        "accept_len": round((dbg.emitted - e0) / rounds, 3) if rounds else None,
+        "accept_len_per_prompt": per_prompt if rounds else None,  # which requests the heads serve badly
+        "outputs": outputs,
+    }
 
 
 def acceptance(args) -> dict:
@@ -174,7 +181,7 @@ def acceptance(args) -> dict:
     decoding of the same prompts, so that fp32 exactness is checked on every set)."""
     machine = machine_info()
     tok = load_tokenizer(default_model_path())
-    sets = prompt_sets(args.sets, args.set_size)
+    sets = prompt_sets(args.sets, parse_set_sizes(args.set_size))
     ids = {name: [chat_ids(tok, q) for q in qs] for name, qs in sets.items()}
     heads = {} if args.skip_shipped else {"shipped": shipped_head_path("EAGLE3")}
     heads |= dict(h.split("=", 1) for h in args.compare)
@@ -209,9 +216,10 @@ def acceptance(args) -> dict:
                                 "set": name,
                             }
                             run["accept_len"] = r["accept_len"]
+                            run["accept_len_per_prompt"] = r["accept_len_per_prompt"]
                             if temp == 0.0:
                                 run["equal_to_plain"] = sum(a == b for a, b in zip(r["outputs"], plain[name]))
-                            print(run, flush=True)
+                            print({k: v for k, v in run.items() if k != "accept_len_per_prompt"}, flush=True)
                             runs.append(run)
                             # a cut run keeps its numbers
                             partial = {"partial": True, "machine": machine, "args": vars(args), "runs": runs}
@@ -220,12 +228,12 @@ def acceptance(args) -> dict:
                     engine.shutdown()
     rows = []
     for r in runs:
-        eq = f"{r['equal_to_plain']}/{args.set_size}" if "equal_to_plain" in r else "-"
+        eq = f"{r['equal_to_plain']}/{len(sets[r['set']])}" if "equal_to_plain" in r else "-"
         rows.append(
             [r["head"], r["dtype"], f"({r['shape']})", r["temperature"], r["set"], r["accept_len"], eq]
         )
     print_table(
-        f"EAGLE-3 accept length, {args.set_size} prompts per set, up to {args.max_new_tokens} new tokens, "
+        f"EAGLE-3 accept length, prompts per set {', '.join(f'{k} {len(v)}' for k, v in sets.items())}, up to {args.max_new_tokens} new tokens, "
         f"page {args.page_size}",
         ["head", "dtype", "(S,K,N)", "T", "set", "accept len", "equal to plain"],
         rows,
@@ -255,7 +263,10 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--skip-shipped", action="store_true", help="--acceptance: only the --compare heads")
     ap.add_argument("--sets", nargs="+", default=["sharegpt", "old", "everyday"])
-    ap.add_argument("--set-size", type=int, default=16)
+    ap.add_argument(
+        "--set-size", nargs="+", default=[str(DEFAULT_SET_SIZE)],
+        help="--acceptance: prompts per set, or NAME=COUNT per set (COUNT 'all': the whole set)",
+    )
     ap.add_argument("--shapes", nargs="+", default=["{},{},{}".format(*DEFAULT_SERVER_TREE), "5,8,32"])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])

@@ -13,7 +13,7 @@ import queue
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,24 +133,40 @@ def median(xs: Sequence[float]) -> float:
 
 
 PROMPT_SET_NAMES = ("sharegpt", "old", "everyday")
+DEFAULT_SET_SIZE = 16
 
 
-def prompt_sets(names: Sequence[str], n: int) -> dict[str, list[str]]:
+def prompt_sets(names: Sequence[str], n: int | Mapping[str, int | None]) -> dict[str, list[str]]:
     """The first n prompts of each named set, all outside every head's training data: ShareGPT first turns of the
     held-out conversations, the template domain's held-out questions ("old"), and the hand-written everyday
-    requests (benchmark/everyday_prompts.py) spread over every kind."""
+    requests (benchmark/everyday_prompts.py) spread over every kind. n: one count for every set, or a count per
+    set name (a name it lacks: DEFAULT_SET_SIZE; None: every prompt of the set)."""
     scripts = str(Path(__file__).resolve().parent.parent / "scripts")
     if scripts not in sys.path:
         sys.path.insert(0, scripts)
     from everyday_prompts import EVERYDAY_PROMPTS
     from make_eagle_data import heldout_questions, sharegpt_heldout_questions
 
-    make = {
-        "sharegpt": lambda: sharegpt_heldout_questions(n),
-        "old": lambda: heldout_questions(n),
-        "everyday": lambda: [EVERYDAY_PROMPTS[i * len(EVERYDAY_PROMPTS) // n] for i in range(n)],
-    }
-    return {name: make[name]() for name in names}
+    def everyday(k: int | None) -> list[str]:
+        k = k or len(EVERYDAY_PROMPTS)
+        return [EVERYDAY_PROMPTS[i * len(EVERYDAY_PROMPTS) // k] for i in range(k)]
+
+    make = {"sharegpt": sharegpt_heldout_questions, "old": heldout_questions, "everyday": everyday}
+    return {name: make[name](n if isinstance(n, int) else n.get(name, DEFAULT_SET_SIZE)) for name in names}
+
+
+def parse_set_sizes(items: Sequence[str]) -> int | dict[str, int | None]:
+    """`--set-size` values: one count for every set ("16"), or NAME=COUNT per set, COUNT "all" for the whole set
+    ("sharegpt=all everyday=all old=64")."""
+    if len(items) == 1 and "=" not in items[0]:
+        return int(items[0])
+    sizes: dict[str, int | None] = {}
+    for item in items:
+        name, _, count = item.partition("=")
+        if name not in PROMPT_SET_NAMES or not count:
+            raise ValueError(f"--set-size: expected NAME=COUNT with NAME in {PROMPT_SET_NAMES}, got {item!r}")
+        sizes[name] = None if count == "all" else int(count)
+    return sizes
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:

@@ -97,7 +97,8 @@ def python_topics() -> list[str]:
     return sorted(t for t in clean.values() if 2 < len(t) < 60)
 
 
-def build_prompts(num_train: int, num_heldout: int, heldout_frac: float, seed: int) -> list[Prompt]:
+def build_prompts(num_train: int, num_heldout: int | None, heldout_frac: float, seed: int) -> list[Prompt]:
+    """num_heldout None: every held-out prompt."""
     rng = random.Random(seed)
     py, chat = python_topics(), list(CHAT_TOPICS)
     rng.shuffle(py)
@@ -113,14 +114,14 @@ def build_prompts(num_train: int, num_heldout: int, heldout_frac: float, seed: i
         rng.shuffle(pairs)
         pool += [(f"{a} / {b}", PAIR_TEMPLATE.format(a=a, b=b)) for a, b in pairs[: len(pys)]]
         rng.shuffle(pool)
-        if count > len(pool):
+        if count is not None and count > len(pool):
             raise ValueError(f"asked for {count} {split} prompts, only {len(pool)} distinct ones exist")
         out += [Prompt(f"{split}-{i:05d}", split, t, p) for i, (t, p) in enumerate(pool[:count])]
     return out
 
 
-def heldout_questions(n: int) -> list[str]:
-    """The first n held-out prompts of the default data set: topics the shipped heads never saw."""
+def heldout_questions(n: int | None) -> list[str]:
+    """The first n held-out prompts of the default data set (None: all): topics the shipped heads never saw."""
     return [p.prompt for p in build_prompts(0, n, HELDOUT_FRAC, SEED)]
 
 
@@ -254,8 +255,8 @@ def sharegpt_prompts(
     return train, held, stats
 
 
-def sharegpt_heldout_questions(n: int, seed: int = SEED) -> list[str]:
-    """The first n ShareGPT held-out prompts of the default data set (as generated into heldout.jsonl)."""
+def sharegpt_heldout_questions(n: int | None, seed: int = SEED) -> list[str]:
+    """The first n ShareGPT held-out prompts of the default data set (None: all; as generated into heldout.jsonl)."""
     read, _ = load_packaged_sharegpt()
     exclude = {normalize(q) for q in handwritten_prompts()}
     return [p.prompt for p in sharegpt_prompts(read.conversations, Filters(), seed, exclude)[1][:n]]

@@ -33,6 +33,22 @@ def test_acceptance_sets_are_held_out_and_varied():
     assert picked == sorted(set(picked)) and picked[-1] >= len(EVERYDAY_PROMPTS) - 3
 
 
+def test_whole_sets_and_sizes_per_set():
+    sizes = bench_heads.parse_set_sizes(["sharegpt=all", "everyday=all", "old=20"])
+    assert sizes == {"sharegpt": None, "everyday": None, "old": 20}
+    assert bench_heads.parse_set_sizes(["12"]) == 12
+    with pytest.raises(ValueError, match="NAME=COUNT"):
+        bench_heads.parse_set_sizes(["web=all"])
+    sets = bench_heads.prompt_sets(["sharegpt", "everyday", "old"], sizes)
+    assert sets["everyday"] == EVERYDAY_PROMPTS  # the whole hand-written set, each once
+    assert len(sets["old"]) == 20
+    read, _ = med.load_packaged_sharegpt()
+    exclude = {med.normalize(q) for q in EVERYDAY_PROMPTS}
+    _, held, _ = med.sharegpt_prompts(read.conversations, med.Filters(), med.SEED, exclude)
+    assert sets["sharegpt"] == [p.prompt for p in held] and len(held) > 100  # the whole held-out split
+    assert len(med.heldout_questions(None)) > 200
+
+
 @pytest.mark.parametrize("group", [1, 3])
 def test_decode_set_returns_whole_outputs(tiny_llama_dir, group):
     prompts = [[5, 9, 33, 40], [7, 7, 8], [60, 61, 62, 63, 64], [12, 20]]
@@ -44,4 +60,4 @@ def test_decode_set_returns_whole_outputs(tiny_llama_dir, group):
             for p in prompts
         ]
     assert got["outputs"] == want and all(len(o) > 1 for o in want)
-    assert got["accept_len"] is None  # no speculation, no rounds
+    assert got["accept_len"] is None and got["accept_len_per_prompt"] is None  # no speculation, no rounds
