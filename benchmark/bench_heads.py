@@ -232,9 +232,9 @@ def acceptance(args) -> dict:
         rows.append(
             [r["head"], r["dtype"], f"({r['shape']})", r["temperature"], r["set"], r["accept_len"], eq]
         )
+    counts = ", ".join(f"{k} {len(v)}" for k, v in sets.items())
     print_table(
-        f"EAGLE-3 accept length, prompts per set {', '.join(f'{k} {len(v)}' for k, v in sets.items())}, up to {args.max_new_tokens} new tokens, "
-        f"page {args.page_size}",
+        f"EAGLE-3 accept length, prompts per set: {counts}; up to {args.max_new_tokens} new tokens, page {args.page_size}",
         ["head", "dtype", "(S,K,N)", "T", "set", "accept len", "equal to plain"],
         rows,
     )

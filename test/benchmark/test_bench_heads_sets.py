@@ -3,6 +3,7 @@ decoding loop returns each request's whole output (the engine streams deltas).""
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -18,13 +19,20 @@ from treepage.entrypoints.engine import Engine  # noqa: E402
 from treepage.server_args import ServerArgs  # noqa: E402
 
 
+@functools.cache
+def sharegpt_split() -> tuple[list, list]:
+    """The data generator's ShareGPT training and held-out prompts (the packaged file is read once)."""
+    read, _ = med.load_packaged_sharegpt()
+    exclude = {med.normalize(q) for q in EVERYDAY_PROMPTS}
+    train, held, _ = med.sharegpt_prompts(read.conversations, med.Filters(), med.SEED, exclude)
+    return train, held
+
+
 def test_acceptance_sets_are_held_out_and_varied():
     sets = bench_heads.prompt_sets(["sharegpt", "old", "everyday"], 16)
     assert all(len(qs) == 16 for qs in sets.values())
     # The ShareGPT set is the generator's held-out list (what heldout.jsonl holds), never its training pool.
-    read, _ = med.load_packaged_sharegpt()
-    exclude = {med.normalize(q) for q in EVERYDAY_PROMPTS}
-    train, held, _ = med.sharegpt_prompts(read.conversations, med.Filters(), med.SEED, exclude)
+    train, held = sharegpt_split()
     assert sets["sharegpt"] == [p.prompt for p in held[:16]]
     assert not {med.normalize(q) for q in sets["sharegpt"]} & {med.normalize(p.prompt) for p in train}
     assert sets["old"] == med.heldout_questions(16)
@@ -42,9 +50,7 @@ def test_whole_sets_and_sizes_per_set():
     sets = bench_heads.prompt_sets(["sharegpt", "everyday", "old"], sizes)
     assert sets["everyday"] == EVERYDAY_PROMPTS  # the whole hand-written set, each once
     assert len(sets["old"]) == 20
-    read, _ = med.load_packaged_sharegpt()
-    exclude = {med.normalize(q) for q in EVERYDAY_PROMPTS}
-    _, held, _ = med.sharegpt_prompts(read.conversations, med.Filters(), med.SEED, exclude)
+    _, held = sharegpt_split()
     assert sets["sharegpt"] == [p.prompt for p in held] and len(held) > 100  # the whole held-out split
     assert len(med.heldout_questions(None)) > 200
 

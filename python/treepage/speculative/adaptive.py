@@ -364,19 +364,19 @@ class AdaptivePolicy:
     outlier does not dominate) of the laps (eagle_worker.RoundClock) of the rounds served with that shape at that
     batch size, starting from the calibrated table times a per-shape scale learnt the same way at any batch size:
     a calibration disturbed by other processes, or serving conditions it did not see (the overlap thread next to
-    the scheduler, longer contexts), is corrected within a few rounds.
-    All of these are net of a speed factor of the host that every shape's time carries
-    (HOST_EMA): a slow stretch of the host moves every shape's expected time, so a shape not served meanwhile does
-    not come to look cheap against the served one. A shape that is never chosen would keep stale estimates
-    forever (and OFF would never learn that the traffic became predictable), so every `probe_every` rounds another
-    candidate (OFF included) runs once:
-    in turn the best other one, and the one served longest ago among the rest whose estimate is within
-    `probe_margin` of the chosen shape's (ranked below the runner-up, a shape whose estimate came out low, say from
-    its few start-up rounds, would otherwise never be measured again; one far below is not worth a round). A probe
-    also waits until `probe_budget` of the time served since the last one covers its `probe_loss`; a lower-ranked
-    pick that cannot pay gives up its turn (at batch 16, while OFF served, the probes of the single draft and the
-    trees cost 2-14 % of a pass); a speculative probe after OFF rounds first catches the draft up over their tokens
-    (`draft_lag`, priced by DraftExtendCost), so while OFF serves a full batch no speculative shape is probed.
+    the scheduler, longer contexts), is corrected within a few rounds. All of these are net of a speed factor
+    of the host that every shape's time carries (HOST_EMA): a slow stretch of the host moves every shape's
+    expected time, so a shape not served meanwhile does not come to look cheap against the served one. A shape
+    that is never chosen would keep stale estimates forever (and OFF would never learn that the traffic became
+    predictable), so every `probe_every` rounds another candidate (OFF included) runs once: in turn the best
+    other one, and the one served longest ago among the rest whose estimate is within `probe_margin` of the
+    chosen shape's (ranked below the runner-up, a shape whose estimate came out low, say from its few start-up
+    rounds, would otherwise never be measured again; one far below is not worth a round). A probe also waits
+    until `probe_budget` of the time served since the last one covers its `probe_loss`; a lower-ranked pick
+    that cannot pay gives up its turn (at batch 16, while OFF served, the probes of the single draft and the
+    trees cost 2-14 % of a pass); a speculative probe after OFF rounds first catches the draft up over their
+    tokens (`draft_lag`, priced by DraftExtendCost), so while OFF serves a full batch no speculative shape is
+    probed.
     While OFF serves no draft runs, so h, stale, returns towards a LONG_HIT_SPAN times slower average of the same
     samples.
     Before any choice, each candidate serves `explore_rounds` rounds, so every shape's per-shape scale starts
