@@ -11,6 +11,8 @@ Why this recipe (see docs/training.md):
 - EAGLE: smooth-L1 regression to the next target feature + 0.1 x token loss through the frozen target LM
   head, over the same unroll (so deeper drafts have seen their own states in training).
 - Warm start from a late target layer (eagle_head_from_target); the released layouts are written in bf16.
+  `--init-head` starts an EAGLE-3 head from a trained one instead, its draft vocabulary widened to
+  --draft-vocab-size by the most frequent other response tokens (new LM-head rows: the target's).
 
 Resumable: a checkpoint is written every --ckpt-every steps to --work; --resume continues bit-exactly, also after
 --max-minutes ended a run early (evaluated and saved at the step it reached).
@@ -340,6 +342,35 @@ def collate(split: Split, rows: list[int], algorithm: str, device: str):
     return ids.to(device), feats.to(device), last.to(device), label.to(device)
 
 
+def trained_vocab(trained: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Target ids of a trained EAGLE-3 head's draft vocabulary, ascending (draft id i + d2t[i])."""
+    d2t = trained["d2t"].long()
+    return d2t + torch.arange(d2t.numel())
+
+
+def widened_head_state(
+    fresh: dict[str, torch.Tensor], trained: dict[str, torch.Tensor], hot: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """A trained EAGLE-3 head's tensors on the draft vocabulary `hot`, a superset of its own: every tensor as
+    trained except the LM head, whose rows of the trained vocabulary are kept and whose new rows start as in
+    `fresh` (eagle_head_from_target: the target's LM-head rows), so the head resumes what it had learnt."""
+    out = dict(fresh)
+    for name, t in trained.items():
+        if name in ("lm_head.weight", "d2t", "t2d"):
+            continue
+        if name not in fresh or fresh[name].shape != t.shape:
+            raise ValueError(f"--init-head: tensor {name} {tuple(t.shape)} does not fit this head")
+        out[name] = t.float()
+    old = trained_vocab(trained)
+    rows = torch.searchsorted(hot, old)
+    if not torch.equal(hot[rows.clamp(max=hot.numel() - 1)], old):
+        raise ValueError("--init-head: the draft vocabulary does not contain the head's own")
+    lm = fresh["lm_head.weight"].clone()
+    lm[rows] = trained["lm_head.weight"].float()
+    out["lm_head.weight"] = lm
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ loss
 def batch_loss(head: TrainHead, batch, hot: torch.Tensor, w_hot: torch.Tensor, args, noise_scale: float):
     """Returns (total loss, per-step loss list, per-step top-1 agreement list)."""
@@ -476,6 +507,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--token-weight", type=float, default=0.1, help="EAGLE: weight of the token loss")
     ap.add_argument("--noise", type=float, default=0.0, help="uniform input-feature noise, x feature std")
     ap.add_argument("--draft-vocab-size", type=int, default=4096)
+    ap.add_argument(
+        "--init-head",
+        default=None,
+        help="EAGLE-3: start from this trained head, its draft vocabulary widened to --draft-vocab-size",
+    )
     ap.add_argument("--init-layer", type=int, default=None, help="target layer copied at init (default last)")
     ap.add_argument("--branch-init-scale", type=float, default=0.0, help="EAGLE: scale of copied o/down_proj")
     ap.add_argument("--grad-clip", type=float, default=1.0)
@@ -502,6 +538,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto")
     args = ap.parse_args(argv)
     eagle3 = args.algorithm == "EAGLE3"
+    if args.init_head and not eagle3:
+        ap.error("--init-head: EAGLE-3 heads only")
     args.steps = args.steps or (900 if eagle3 else 500)
     args.ttt_steps = args.ttt_steps or (5 if eagle3 else 3)
     args.work = args.work or os.path.join(args.data, "work")
@@ -546,7 +584,8 @@ def main(argv: list[str] | None = None) -> dict:
     for seq, p in zip(train.ids, train.plen):
         counts += torch.bincount(seq[p:], minlength=tcfg.vocab_size)
     Vd = min(args.draft_vocab_size, tcfg.vocab_size)
-    hot = hot_ids_from_counts(counts, Vd)
+    trained = load_state_dict(args.init_head, progress=False) if args.init_head else None
+    hot = hot_ids_from_counts(counts, Vd, keep=None if trained is None else trained_vocab(trained))
     in_hot = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
     in_hot[hot] = True
     coverage = {"train": float(counts[hot].sum() / counts.sum())}  # the held-out splits' own, below
@@ -563,6 +602,8 @@ def main(argv: list[str] | None = None) -> dict:
         hot if args.algorithm == "EAGLE3" else None,
         args.init_layer,
     )
+    if trained is not None:
+        init = widened_head_state(init, trained, hot)
     if args.algorithm == "EAGLE":
         # EAGLE's layer has no input norm and feeds its raw output back: a copied late layer writes residual-
         # stream-sized updates (massive activations) that explode over the unroll. Start its residual branches

@@ -283,6 +283,11 @@ def test_eagle3_d2t_mapping_and_vocab_helpers(tiny_llama_dir):
         draft_vocab_maps(torch.tensor([1, 1]), 10)
     counts = torch.tensor([5, 0, 9, 9, 1, 7])
     assert hot_ids_from_counts(counts, 3).tolist() == [2, 3, 5]
+    # Widening a draft vocabulary: its own ids stay, the most frequent others fill the rest.
+    assert hot_ids_from_counts(counts, 3, keep=torch.tensor([1])).tolist() == [1, 2, 3]
+    assert hot_ids_from_counts(counts, 2, keep=torch.tensor([4, 1])).tolist() == [1, 4]
+    with pytest.raises(ValueError, match="cannot keep 2 ids"):
+        hot_ids_from_counts(counts, 1, keep=torch.tensor([4, 1]))
 
 
 def test_eagle3_accepts_layers0_alias_and_ignores_frozen_embedding(tiny_llama_dir):

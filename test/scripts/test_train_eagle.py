@@ -210,3 +210,38 @@ def test_training_resumes_exactly_and_writes_a_loadable_head(tiny_llama3_dir, tm
         load_state_dict(tiny_llama3_dir, progress=False), load_config(tiny_llama3_dir), "EAGLE3", 32, hot
     )[1]
     assert not torch.allclose(a["fc.weight"].float(), init["fc.weight"].bfloat16().float())
+
+
+def test_init_head_keeps_a_trained_head_and_widens_its_vocabulary(tiny_llama3_dir, tmp_path):
+    """--init-head: the trained head's tensors and LM-head rows carry over; the new rows are the target's, for
+    the most frequent response ids the narrower vocabulary lacked. Stopped before the first step, the written
+    head is exactly that start."""
+    write_data(tmp_path)
+    common = ["--algorithm", "EAGLE3", "--data", str(tmp_path), "--model-path", tiny_llama3_dir,
+              "--batch-size", "2", "--ttt-steps", "2", "--warmup", "1", "--no-autocast", "--threads", "1",
+              "--work", str(tmp_path / "work")]  # fmt: skip
+    narrow, wide = tmp_path / "narrow", tmp_path / "wide"
+    te.main(common + ["--out", str(narrow), "--draft-vocab-size", "16", "--steps", "2"])
+    summary = te.main(common + ["--out", str(wide), "--draft-vocab-size", "40", "--init-head", str(narrow),
+                                "--max-minutes", "0"])  # fmt: skip
+    assert summary["steps_done"] == 0 and summary["draft_vocab_size"] == 40
+    n, w = load_file(narrow / "model.safetensors"), load_file(wide / "model.safetensors")
+    old, new = te.trained_vocab(n), te.trained_vocab(w)
+    assert torch.isin(old, new).all() and new.numel() == 40
+    resp = torch.cat([torch.tensor(json.loads(r)["output_ids"]) for r in open(tmp_path / "train.jsonl")])
+    counts = torch.bincount(resp, minlength=128)
+    added = new[~torch.isin(new, old)]
+    rest = torch.ones(128, dtype=torch.bool)
+    rest[new] = False
+    assert counts[added].min() >= counts[rest].max()  # the most frequent of the ids the head lacked
+    assert all(torch.equal(w[k], n[k]) for k in n if k not in ("lm_head.weight", "d2t", "t2d"))
+    rows = torch.searchsorted(new, old)
+    assert torch.equal(w["lm_head.weight"][rows], n["lm_head.weight"])
+    target_lm = load_state_dict(tiny_llama3_dir, progress=False)
+    target_lm = target_lm.get("lm_head.weight", target_lm["model.embed_tokens.weight"])
+    fresh = torch.searchsorted(new, added)
+    assert torch.equal(w["lm_head.weight"][fresh], target_lm[added].bfloat16())
+    with pytest.raises(ValueError, match="cannot keep 40 ids"):
+        te.main(common + ["--out", str(tmp_path / "x"), "--draft-vocab-size", "16", "--init-head", str(wide)])
+    with pytest.raises(SystemExit):
+        te.parse_args(["--algorithm", "EAGLE", "--init-head", str(narrow)])

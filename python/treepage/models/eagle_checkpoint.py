@@ -8,6 +8,7 @@ norm.weight, lm_head.weight [Vd, H], d2t int64 [Vd] (target id = draft id + d2t)
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Literal
 
@@ -108,9 +109,18 @@ def draft_vocab_maps(hot_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tens
     return d2t, t2d
 
 
-def hot_ids_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
-    """The draft_vocab_size most frequent target ids (ties: lower id first), sorted ascending."""
-    order = torch.argsort(-counts.double(), stable=True)
+def hot_ids_from_counts(
+    counts: torch.Tensor, draft_vocab_size: int, keep: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The draft_vocab_size most frequent target ids (ties: lower id first), sorted ascending. With `keep`
+    (the ids of a smaller draft vocabulary being widened): those ids, then the most frequent others."""
+    score = counts.double()
+    if keep is not None:
+        if keep.numel() > draft_vocab_size:
+            raise ValueError(f"cannot keep {keep.numel()} ids in a draft vocabulary of {draft_vocab_size}")
+        score = score.clone()
+        score[keep.long()] = math.inf
+    order = torch.argsort(-score, stable=True)
     return torch.sort(order[:draft_vocab_size]).values
 
 
