@@ -44,6 +44,7 @@ from treepage.models.eagle_checkpoint import (
     draft_vocab_maps,
     eagle_head_from_target,
     hot_ids_from_counts,
+    hot_ids_from_d2t,
     save_eagle_head,
 )
 from treepage.models.llama import LlamaMLP, default_aux_layers
@@ -342,18 +343,12 @@ def collate(split: Split, rows: list[int], algorithm: str, device: str):
     return ids.to(device), feats.to(device), last.to(device), label.to(device)
 
 
-def trained_vocab(trained: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Target ids of a trained EAGLE-3 head's draft vocabulary, ascending (draft id i + d2t[i])."""
-    d2t = trained["d2t"].long()
-    return d2t + torch.arange(d2t.numel())
-
-
 def widened_head_state(
     fresh: dict[str, torch.Tensor], trained: dict[str, torch.Tensor], hot: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """A trained EAGLE-3 head's tensors on the draft vocabulary `hot`, a superset of its own: every tensor as
-    trained except the LM head, whose rows of the trained vocabulary are kept and whose new rows start as in
-    `fresh` (eagle_head_from_target: the target's LM-head rows), so the head resumes what it had learnt."""
+    """A trained EAGLE-3 head's tensors on the draft vocabulary `hot`, a superset of its own (hot_ids_from_counts
+    with keep=): every tensor as trained except the LM head, whose rows of the trained vocabulary are kept and
+    whose new rows start as in `fresh` (eagle_head_from_target: the target's LM-head rows)."""
     out = dict(fresh)
     for name, t in trained.items():
         if name in ("lm_head.weight", "d2t", "t2d"):
@@ -361,12 +356,8 @@ def widened_head_state(
         if name not in fresh or fresh[name].shape != t.shape:
             raise ValueError(f"--init-head: tensor {name} {tuple(t.shape)} does not fit this head")
         out[name] = t.float()
-    old = trained_vocab(trained)
-    rows = torch.searchsorted(hot, old)
-    if not torch.equal(hot[rows.clamp(max=hot.numel() - 1)], old):
-        raise ValueError("--init-head: the draft vocabulary does not contain the head's own")
     lm = fresh["lm_head.weight"].clone()
-    lm[rows] = trained["lm_head.weight"].float()
+    lm[torch.searchsorted(hot, hot_ids_from_d2t(trained["d2t"]))] = trained["lm_head.weight"].float()
     out["lm_head.weight"] = lm
     return out
 
@@ -585,7 +576,7 @@ def main(argv: list[str] | None = None) -> dict:
         counts += torch.bincount(seq[p:], minlength=tcfg.vocab_size)
     Vd = min(args.draft_vocab_size, tcfg.vocab_size)
     trained = load_state_dict(args.init_head, progress=False) if args.init_head else None
-    hot = hot_ids_from_counts(counts, Vd, keep=None if trained is None else trained_vocab(trained))
+    hot = hot_ids_from_counts(counts, Vd, keep=None if trained is None else hot_ids_from_d2t(trained["d2t"]))
     in_hot = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
     in_hot[hot] = True
     coverage = {"train": float(counts[hot].sum() / counts.sum())}  # the held-out splits' own, below

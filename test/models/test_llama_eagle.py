@@ -14,6 +14,7 @@ from treepage.models.eagle_checkpoint import (
     draft_vocab_maps,
     eagle_head_from_target,
     hot_ids_from_counts,
+    hot_ids_from_d2t,
     save_eagle_head,
 )
 from treepage.models.llama import LlamaForCausalLM
@@ -279,6 +280,7 @@ def test_eagle3_d2t_mapping_and_vocab_helpers(tiny_llama_dir):
     hot = torch.tensor([90, 5, 17, 3])
     d2t, t2d = draft_vocab_maps(hot, 100)
     assert d2t.tolist() == [3 - 0, 5 - 1, 17 - 2, 90 - 3] and t2d.sum() == 4 and t2d[[3, 5, 17, 90]].all()
+    assert hot_ids_from_d2t(d2t).tolist() == [3, 5, 17, 90]
     with pytest.raises(ValueError, match="distinct"):
         draft_vocab_maps(torch.tensor([1, 1]), 10)
     counts = torch.tensor([5, 0, 9, 9, 1, 7])

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from treepage.entrypoints.engine import Engine
 from treepage.managers.tokenizer import apply_chat_template
+from treepage.models.eagle_checkpoint import hot_ids_from_d2t
 from treepage.models.loader import default_model_path, load_config
 from treepage.models.shipped_heads import SHIPPED_HEADS, shipped_head_path
 from treepage.server_args import ServerArgs
@@ -31,7 +32,7 @@ def test_shipped_heads_are_small_released_layouts(algorithm):
     assert all(t.dtype == torch.bfloat16 for t in state.values() if t.is_floating_point())
     if algorithm == "EAGLE3":
         Vd = cfg.hf_config["draft_vocab_size"]
-        hot = state["d2t"] + torch.arange(Vd)
+        hot = hot_ids_from_d2t(state["d2t"])
         assert state["lm_head.weight"].shape == (Vd, cfg.hidden_size) and Vd < target.vocab_size
         assert torch.equal(torch.nonzero(state["t2d"]).flatten(), hot)
     else:

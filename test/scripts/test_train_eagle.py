@@ -17,6 +17,7 @@ from treepage.layers.attention.torch_native_backend import TorchNativeAttnBacken
 from treepage.layers.forward_batch import CaptureHidden, ForwardBatch, ForwardMode
 from treepage.mem_cache.memory_pool import KVPool
 from treepage.models.config import ModelConfig
+from treepage.models.eagle_checkpoint import hot_ids_from_d2t
 from treepage.models.llama import LlamaForCausalLM
 from treepage.models.llama_eagle import LlamaForCausalLMEagle
 from treepage.models.llama_eagle3 import LlamaForCausalLMEagle3
@@ -226,7 +227,7 @@ def test_init_head_keeps_a_trained_head_and_widens_its_vocabulary(tiny_llama3_di
                                 "--max-minutes", "0"])  # fmt: skip
     assert summary["steps_done"] == 0 and summary["draft_vocab_size"] == 40
     n, w = load_file(narrow / "model.safetensors"), load_file(wide / "model.safetensors")
-    old, new = te.trained_vocab(n), te.trained_vocab(w)
+    old, new = hot_ids_from_d2t(n["d2t"]), hot_ids_from_d2t(w["d2t"])
     assert torch.isin(old, new).all() and new.numel() == 40
     resp = torch.cat([torch.tensor(json.loads(r)["output_ids"]) for r in open(tmp_path / "train.jsonl")])
     counts = torch.bincount(resp, minlength=128)

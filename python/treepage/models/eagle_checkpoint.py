@@ -109,6 +109,11 @@ def draft_vocab_maps(hot_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tens
     return d2t, t2d
 
 
+def hot_ids_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
+    """The target ids of a draft vocabulary from its d2t (draft id i + d2t[i]): draft_vocab_maps' inverse."""
+    return d2t.long() + torch.arange(d2t.numel(), device=d2t.device)
+
+
 def hot_ids_from_counts(
     counts: torch.Tensor, draft_vocab_size: int, keep: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -171,7 +176,7 @@ def eagle_head_from_target(
             raise ValueError(f"hot_ids has {hot.numel()} ids, draft_vocab_size is {Vd}")
         d2t, t2d = draft_vocab_maps(hot, V)
         head = target_state.get("lm_head.weight", target_state["model.embed_tokens.weight"])
-        state["lm_head.weight"] = head.float()[d2t + torch.arange(Vd)].clone()
+        state["lm_head.weight"] = head.float()[hot_ids_from_d2t(d2t)].clone()
         state["d2t"], state["t2d"] = d2t, t2d
     return cfg, state
 

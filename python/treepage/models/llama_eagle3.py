@@ -14,6 +14,7 @@ from treepage.layers.linear import Linear
 from treepage.layers.norm import RMSNorm
 from treepage.layers.rope import RotaryEmbedding
 from treepage.models.config import ModelConfig
+from treepage.models.eagle_checkpoint import hot_ids_from_d2t
 from treepage.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from treepage.models.llama_eagle import copy_released_weights, strip_model_prefix
 
@@ -130,7 +131,7 @@ class LlamaForCausalLMEagle3(nn.Module):
         copy_released_weights("EAGLE-3", expected, state, optional)
         self._lm_head_from_target = from_target
         if "d2t" in state:
-            hot = self.d2t + torch.arange(Vd, device=self.d2t.device)
+            hot = hot_ids_from_d2t(self.d2t)
             if Vd and (int(hot.min()) < 0 or int(hot.max()) >= V):
                 raise ValueError(f"EAGLE-3 d2t maps draft ids outside the target vocabulary 0..{V - 1}")
             if "t2d" not in state:
