@@ -93,6 +93,12 @@ def cpu_info() -> dict[str, Any]:
     return {"cpu_model": model, "nproc": os.cpu_count(), "cpu_flags": sorted(parse_cpuinfo_features(text))}
 
 
+# Environment variables that keep torch, oneDNN and MKL (and so the C kernels, layers/cpu_build.py) below the
+# CPU's own vector ISA: `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2` runs a
+# CPU with AVX-512 as one without AVX-512 or native bf16.
+ISA_CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on (the docs quote this)."""
     cpu = cpu_info()
@@ -111,6 +117,9 @@ def machine_info() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        # The vector ISA torch dispatches to, and what caps it (a lesser CPU measured on this one)
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "isa_caps": {k: os.environ[k] for k in ISA_CAP_VARS if k in os.environ},
         "code": code_version(),
         "loadavg_at_start": os.getloadavg(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -265,6 +274,8 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]
 def machine_line(info: dict[str, Any]) -> str:
     bf16 = "AVX512-BF16" if info.get("avx512_bf16") else "no AVX512-BF16"
     bf16 += ", AMX" if info.get("amx_bf16") else ", no AMX"
+    if info.get("isa_caps"):
+        bf16 += ", capped: " + " ".join(f"{k}={v}" for k, v in info["isa_caps"].items())
     return (
         f"{info['date']}; {info['nproc']} CPUs ({info['cpu_model']}, {bf16}), torch {info['torch']} "
         f"({info['torch_threads']} threads, OMP_WAIT_POLICY={info.get('omp_wait_policy')}), transformers "

@@ -374,7 +374,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-chars", type=int, default=Filters.max_chars)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--dtype", default="auto", help="as the server's --dtype (auto: bf16 only where native)")
+    ap.add_argument("--dtype", default="auto", help="as the server's --dtype")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument(

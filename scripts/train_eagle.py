@@ -512,7 +512,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="bf16 matmuls (default: where bf16 is native, as --dtype auto decides)",
     )
-    ap.add_argument("--feature-dtype", default="auto", help="dtype of the target pass (auto: as --dtype auto)")
+    ap.add_argument("--feature-dtype", default="auto", help="the target pass dtype (auto: bf16 if native)")
     ap.add_argument("--feature-batch-tokens", type=int, default=4096)
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=100)
@@ -540,9 +540,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.loss_png = args.loss_png or default_png or args.out.rstrip("/") + "-loss.png"
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    # What the engine's `--dtype auto` picks: bf16 on CUDA and on CPUs that compute it natively, else fp32
-    # (emulated bf16 matmuls run several times slower than fp32).
-    auto = dtype_choice(ServerArgs(dtype="auto"), args.device).dtype
+    # bf16 on CUDA and on CPUs that compute it natively, else fp32: emulated bf16 matmuls run several times
+    # slower than fp32, and the engine's bf16 kernels for such CPUs serve neither transformers nor autograd.
+    auto = dtype_choice(ServerArgs(dtype="auto"), args.device, treepage_kernels=False).dtype
     if args.feature_dtype == "auto":
         args.feature_dtype = str(auto).removeprefix("torch.")
     if args.autocast is None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from treepage.arg_groups.speculative import resolve_speculative
+from treepage.layers import cpu_linear
 from treepage.layers.attention.registry import get_backend_class
 from treepage.server_args import ArgumentError, ServerArgs
 
@@ -36,20 +37,32 @@ class DtypeChoice:
     reason: str
 
 
-def choose_cpu_dtype(features: Mapping[str, object]) -> DtypeChoice:
-    """`--dtype auto` on a CPU with these features (name -> present): bf16 only where it is computed natively.
+def choose_cpu_dtype(features: Mapping[str, object], bf16_kernels: bool = False) -> DtypeChoice:
+    """`--dtype auto` on a CPU with these features (name -> present): bf16 where it is computed natively, or
+    where treepage's own bf16 paths run (`bf16_kernels`: layers/cpu_linear.py's kernel built here), else fp32.
 
-    "AVX512" alone is not enough (AVX-512F without BF16 emulates bf16 matmuls, ~2x slower than fp32).
+    "AVX512" alone is not enough: without BF16 torch emulates bf16 matmuls (4x slower than fp32 at 256
+    rows). treepage's paths avoid that: few-row matmuls widen the bf16 weights in registers (reading half
+    fp32's bytes), more rows run fp32 GEMMs on widened weights; there bf16 decodes 1.15-2.5x faster than fp32
+    and prefills 4-8 % slower (docs/benchmarks_context.md, run 14).
     """
     native = [f for f in NATIVE_BF16_FEATURES if features.get(f)]
     if native:
         return DtypeChoice(
             torch.bfloat16, f"--dtype auto: the CPU computes bf16 natively ({', '.join(native)})"
         )
+    if bf16_kernels:
+        return DtypeChoice(
+            torch.bfloat16,
+            "--dtype auto: the CPU has no native bf16, but treepage's bf16 kernels run here (few-row "
+            "matmuls widen bf16 weights in registers, the rest run as fp32 GEMMs): bf16 decodes faster than "
+            "fp32",
+        )
     return DtypeChoice(
         torch.float32,
-        "--dtype auto: the CPU has no native bf16 (no AVX512-BF16, AMX or Arm BF16), so bf16 matmuls would be "
-        "emulated; fp32 is faster",
+        "--dtype auto: the CPU has no native bf16 (no AVX512-BF16, AMX or Arm BF16) and treepage's bf16 "
+        "kernels do not run here (x86 with AVX2 + FMA and a C compiler), so bf16 matmuls would be emulated; "
+        "fp32 is faster",
     )
 
 
@@ -81,13 +94,30 @@ def cpu_features() -> dict[str, bool]:
         return {}
 
 
-def dtype_choice(args: ServerArgs, device: str) -> DtypeChoice:
+def within_torch_isa(features: Mapping[str, bool], capability: str) -> dict[str, bool]:
+    """The features torch's vector ISA (torch.backends.cpu.get_cpu_capability()) lets it use: under "AVX2" or
+    "DEFAULT" (ATEN_CPU_CAPABILITY on an AVX-512 CPU) no AVX-512 or AMX, as for the C kernels
+    (layers/cpu_build.py)."""
+    if capability in ("AVX2", "DEFAULT"):
+        return {k: v for k, v in features.items() if not k.startswith(("avx512", "amx"))}
+    return dict(features)
+
+
+def dtype_choice(args: ServerArgs, device: str, treepage_kernels: bool = True) -> DtypeChoice:
+    """`treepage_kernels` False: for work on torch's own matmuls (transformers, autograd: training), which
+    treepage's bf16 kernels do not serve, so bf16 only where it is native."""
     name = _DTYPE_ALIASES.get(args.dtype, args.dtype)
     if name != "auto":
         return DtypeChoice(getattr(torch, name), f"--dtype {args.dtype}")
     if device == "cuda":
         return DtypeChoice(torch.bfloat16, "--dtype auto on CUDA")
-    return choose_cpu_dtype(cpu_features())
+    features = within_torch_isa(cpu_features(), torch.backends.cpu.get_cpu_capability())
+    return choose_cpu_dtype(features, treepage_kernels and bf16_kernels())
+
+
+def bf16_kernels() -> bool:
+    """Whether treepage's bf16 linear kernel runs on this CPU (built at first use, layers/cpu_build.py)."""
+    return cpu_linear.load() is not None
 
 
 def resolve_dtype(args: ServerArgs, device: str) -> torch.dtype:

@@ -2,10 +2,12 @@
 with ctypes.
 
 Each source is compiled once per source/headers/flags/compiler/CPU into a per-user cache directory with the
-system C compiler and OpenMP (the same libgomp torch loaded, so one thread pool). The kernels share helpers in
-this directory's headers (cpu_bf16.h), whose bytes are part of every kernel's cache key: editing one rebuilds
-them all. Anything that fails (no compiler, a compile error) returns None and leaves the caller's torch path in
-charge, logged once per kernel.
+system C compiler and OpenMP (the same libgomp torch loaded, so one thread pool). The kernels use no vector
+ISA beyond the one torch dispatches to: `ATEN_CPU_CAPABILITY=avx2` on an AVX-512 CPU builds their AVX2 paths,
+which is how a CPU without AVX-512 or native bf16 is measured on one that has them
+(docs/benchmarks_context.md). The kernels share helpers in this directory's headers (cpu_bf16.h), whose bytes
+are part of every kernel's cache key: editing one rebuilds them all. Anything that fails (no compiler, a
+compile error) returns None and leaves the caller's torch path in charge, logged once per kernel.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -21,11 +24,13 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 # Vectorize for this CPU; finite sentinels keep the kernels correct without IEEE inf/NaN semantics being relied on.
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-std=c11"]
-ARCH_FLAGS = [["-march=native"], []]  # fall back to the compiler's default target
+NATIVE = ["-march=native"]  # then the compiler's default target, if that fails
 INCLUDE_DIR = Path(__file__).parent  # the headers the kernels share
 
 _lock = threading.Lock()
@@ -49,6 +54,26 @@ def _cpu_signature() -> str:
         return ""
 
 
+def isa_cap_flags(capability: str, cpu_flags: str) -> list[str]:
+    """Flags that keep -march=native within torch's dispatch `capability` on x86 ("AVX512", "AVX2",
+    "DEFAULT"); `cpu_flags` is /proc/cpuinfo's text (AMX, which gcc keeps apart from AVX-512, is switched off
+    where present)."""
+    amx = ["-mno-amx-tile"] if "amx_tile" in cpu_flags else []
+    if capability == "AVX2":
+        return ["-mno-avx512f", *amx]
+    if capability == "DEFAULT":
+        return ["-mno-avx", *amx]  # AVX2, FMA and AVX-512 depend on AVX
+    return []
+
+
+def arch_flags() -> list[list[str]]:
+    """-march=native within torch's ISA (isa_cap_flags), then the compiler's default target."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return [NATIVE, []]
+    caps = isa_cap_flags(torch.backends.cpu.get_cpu_capability(), _cpu_signature())
+    return [NATIVE + caps, []]
+
+
 def _compiler() -> str | None:
     for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if cc and shutil.which(cc):
@@ -64,7 +89,7 @@ def _build(cc: str, source: Path) -> Path:
     src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h")))
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     errors = []
-    for arch in ARCH_FLAGS:
+    for arch in arch_flags():
         flags = FLAGS + arch
         key = hashlib.sha256(src + repr(flags).encode() + version.encode() + _cpu_signature().encode())
         out = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"

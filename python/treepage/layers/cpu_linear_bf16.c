@@ -2,15 +2,18 @@
  *
  * Why: a decode step, a draft step or a small verify multiplies a handful of rows by every weight matrix, so it
  * should run at the speed weights stream from memory. torch's bf16 matmul for such shapes runs well below that
- * (docs/benchmarks_context.md: at one row no faster than fp32, which reads twice the bytes). Here each weight
- * row is read from memory once per call and used for every input row while it is in registers or L1.
+ * (docs/benchmarks_context.md: at one row no faster than fp32, which reads twice the bytes; on a CPU without
+ * native bf16 it falls further behind from 4 rows on). Here each weight row is read from memory once per call
+ * and used for every input row while it is in registers or L1.
  *
- * Two paths, both accumulating in fp32 and rounding to bf16 once (round to nearest even), as torch's bf16 matmul
- * does; only the order of the fp32 sums differs:
+ * Three paths, all accumulating in fp32 and rounding to bf16 once (round to nearest even), as torch's bf16
+ * matmul does; only the order of the fp32 sums differs:
  *  - AMX (AMX-BF16 CPUs; N % 16 == 0, K % 32 == 0, M <= 32): TDPBF16PS on tiles of 16 weight rows x 32 K,
  *    loaded in place, against the input packed in K pairs (linear_amx);
  *  - otherwise AVX512-BF16's VDPBF16PS, 32 bf16 pairs per instruction, on register tiles of NR weight rows x MR
- *    input rows (column_group).
+ *    input rows (column_group);
+ *  - on a CPU without AVX512-BF16 (AVX2 + FMA), register tiles of fp32 FMAs: the input rows are widened to
+ *    fp32 once per call, each weight vector as it is loaded (a bf16 is the upper half of an fp32).
  * Work is split over output columns. Compiled at first use by cpu_build.py; cpu_linear.py picks the row counts
  * each path serves.
  */
@@ -23,21 +26,30 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define HAVE_DPBF16 1
+#define HAVE_WIDEN 0
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_DPBF16 0
+#define HAVE_WIDEN 1
 #else
 #define HAVE_DPBF16 0
+#define HAVE_WIDEN 0
 #endif
 
-/* Whether this build computes (1) or holds nothing else (0, no AVX512-BF16: torch's matmul keeps every shape).
- * A fallback that widened bf16 to fp32 ran slower than torch's matmul on an AMX CPU and was removed. */
-int linear_bf16_native(void) { return HAVE_DPBF16; }
+/* The path this build computes with: 2 VDPBF16PS (bf16 in hardware), 1 fp32 FMAs on widened bf16, 0 none
+ * (torch's matmul keeps every shape). */
+int linear_bf16_path(void) { return HAVE_DPBF16 ? 2 : HAVE_WIDEN; }
 
-#if HAVE_DPBF16
+#if HAVE_DPBF16 || HAVE_WIDEN
 
-#define NR 4 /* output columns (weight rows) per register tile */
-#define MR 4 /* input rows per register tile */
+#define NR (HAVE_DPBF16 ? 4 : 8) /* output columns (weight rows) per register tile */
+#define MR (HAVE_DPBF16 ? 4 : 1) /* input rows per register tile */
 /* Weights (N * K) below which a call runs on one thread: waking the pool's other thread (OMP_WAIT_POLICY=PASSIVE,
  * as the server runs) costs more than it saves on a small matrix (benchmarks_context.md). */
 #define PARALLEL_MIN_WEIGHTS (1 << 20)
+
+#if HAVE_DPBF16
+typedef uint16_t xelem; /* the input rows as the tiles read them: bf16 */
 
 /* acc[r][m] = dot(w row r, x row m) for r < nr, m < mr; forced inline so that nr, mr are constants and the
  * accumulators live in registers. */
@@ -67,8 +79,52 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
         for (int m = 0; m < mr; m++) acc[r][m] = _mm512_reduce_add_ps(s[r][m]);
 }
 
+#else
+typedef float xelem; /* the input rows as the tiles read them: widened to fp32 once per call */
+
+static inline __m256 widen8(const uint16_t *w) {
+    __m128i h = _mm_loadu_si128((const __m128i *)w);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* As the VDPBF16PS tile, 8 fp32 lanes per FMA, on tiles of NR = 8 weight rows x MR = 1 input row: eight
+ * independent FMA chains, whose accumulators and widened weight vectors fill AVX2's 16 registers; further
+ * input rows read the group's weights again from L1. The next group's rows are prefetched: rows of a few KB
+ * are too short for the hardware prefetcher to ramp up on (one row: 26 -> 20 ms per forward,
+ * benchmark/bench_linear.py). */
+static inline __attribute__((always_inline)) void tile(const float *x, const uint16_t *w, int64_t K, int nr,
+                                                       int mr, float acc[NR][MR]) {
+    __m256 s[NR][MR];
+    for (int r = 0; r < NR; r++)
+        for (int m = 0; m < MR; m++) s[r][m] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 wv[NR];
+        if ((k & 31) == 0) /* a cache line per row: the same place in the next group's rows */
+            for (int r = 0; r < nr; r++) _mm_prefetch((const char *)(w + (r + NR) * K + k), _MM_HINT_T0);
+        for (int r = 0; r < nr; r++) wv[r] = widen8(w + r * K + k);
+        for (int m = 0; m < mr; m++) {
+            __m256 xv = _mm256_loadu_ps(x + m * K + k);
+            for (int r = 0; r < nr; r++) s[r][m] = _mm256_fmadd_ps(wv[r], xv, s[r][m]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mr; m++) {
+            float a = hsum8(s[r][m]);
+            for (int64_t j = k; j < K; j++) a += bf16_to_f32(w[r * K + j]) * x[m * K + j]; /* K % 8 */
+            acc[r][m] = a;
+        }
+}
+#endif
+
 /* One group of nr (<= NR) weight rows starting at n0, against every input row, in tiles of MR rows. */
-static void column_group(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M,
+static void column_group(const xelem *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M,
                          int64_t N, int64_t K, int64_t n0, int nr) {
     const uint16_t *wg = w + n0 * K;
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
@@ -79,10 +135,12 @@ static void column_group(const uint16_t *x, const uint16_t *w, const uint16_t *b
             tile(x + m0 * K, wg, K, NR, MR, acc);
         else if (nr == NR && mr == 1)
             tile(x + m0 * K, wg, K, NR, 1, acc);
+#if HAVE_DPBF16
         else if (nr == NR && mr == 2)
             tile(x + m0 * K, wg, K, NR, 2, acc);
         else if (nr == NR && mr == 3)
             tile(x + m0 * K, wg, K, NR, 3, acc);
+#endif
         else
             tile(x + m0 * K, wg, K, nr, mr, acc);
         for (int m = 0; m < mr; m++)
@@ -201,24 +259,35 @@ int linear_bf16_amx(void) {
 #endif
 }
 
-void linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
-                 int64_t K, int nthreads) {
+/* 0, or -1 when a scratch buffer could not be allocated (nothing written). */
+int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
+                int64_t K, int nthreads) {
 #if HAVE_AMX
     if (M > 0 && M <= AMX_MAX_ROWS && N % 16 == 0 && K % 32 == 0 && amx_permitted()) {
         uint16_t *xp = malloc((size_t)(M * K) * sizeof *xp);
-        if (xp) {
-            linear_amx(x, w, bias, y, M, N, K, nthreads, xp);
-            free(xp);
-            return;
-        }
+        if (!xp) return -1;
+        linear_amx(x, w, bias, y, M, N, K, nthreads, xp);
+        free(xp);
+        return 0;
     }
+#endif
+#if HAVE_WIDEN
+    float *xs = malloc((size_t)(M * K) * sizeof *xs);
+    if (!xs) return -1;
+    for (int64_t i = 0; i < M * K; i++) xs[i] = bf16_to_f32(x[i]);
+#else
+    const uint16_t *xs = x;
 #endif
     int64_t groups = (N + NR - 1) / NR;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K >= PARALLEL_MIN_WEIGHTS && nthreads > 1)
     for (int64_t g = 0; g < groups; g++) {
         int64_t n0 = g * NR;
         int nr = N - n0 >= NR ? NR : (int)(N - n0);
-        column_group(x, w, bias, y, M, N, K, n0, nr);
+        column_group(xs, w, bias, y, M, N, K, n0, nr);
     }
+#if HAVE_WIDEN
+    free(xs);
+#endif
+    return 0;
 }
 #endif

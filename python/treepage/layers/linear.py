@@ -17,9 +17,13 @@ FUSED_MAX_ROWS = 128
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, on the CPU bf16 kernel for few rows (decode and draft steps) where it computes natively."""
-    if cpu_linear.serves(x, weight, bias):
+    """F.linear, on the CPU bf16 kernel for few rows (decode and draft steps), and for more rows on a CPU
+    without native bf16 as an fp32 matmul on widened operands (cpu_linear.py says why)."""
+    route = cpu_linear.route(x, weight, bias)
+    if route == "kernel":
         return cpu_linear.linear_bf16(x, weight, bias)
+    if route == "widened":
+        return cpu_linear.widened(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
