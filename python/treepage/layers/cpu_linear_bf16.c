@@ -273,7 +273,7 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
 #endif
 #if HAVE_WIDEN
     float *xs = malloc((size_t)(M * K) * sizeof *xs);
-    if (!xs) return -1;
+    if (!xs && M * K > 0) return -1; /* malloc(0) may say NULL */
     for (int64_t i = 0; i < M * K; i++) xs[i] = bf16_to_f32(x[i]);
 #else
     const uint16_t *xs = x;
