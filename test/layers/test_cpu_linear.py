@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import platform
-import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,14 +42,14 @@ needs_amx = pytest.mark.skipif(not HAS_AMX or not HAS_CC, reason="the kernel's A
 needs_avx2 = pytest.mark.skipif(not HAS_AVX2_FMA or not HAS_CC, reason="the widening path needs AVX2 + FMA")
 
 
-def build(tmp_path, name: str, arch: list[str]) -> ctypes.CDLL:
-    """The kernel built for this CPU with `arch` flags: what a lesser CPU gets."""
-    out = tmp_path / f"{name}.so"
+def build(cache: Path, capability: str) -> ctypes.CDLL:
+    """The kernel as cpu_build builds it while torch dispatches to `capability`: what a lesser CPU gets."""
     cc = cpu_build._compiler()
     assert cc is not None
-    flags = [*cpu_build.FLAGS, *cpu_build.include_flags(), *arch]
-    subprocess.run([cc, *flags, str(cpu_linear.SOURCE), "-o", str(out)], check=True, capture_output=True)
-    lib = ctypes.CDLL(str(out))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TREEPAGE_CACHE_DIR", str(cache))
+        mp.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        lib = ctypes.CDLL(str(cpu_build._build(cc, cpu_linear.SOURCE)))
     cpu_linear._declare(lib)
     return lib
 
@@ -58,8 +58,7 @@ def build(tmp_path, name: str, arch: list[str]) -> ctypes.CDLL:
 def widen_kernel(tmp_path_factory) -> cpu_linear.Kernel:
     """The build a CPU with AVX2 and without AVX512-BF16 gets (torch's AVX2 capability, as cpu_build caps
     it)."""
-    caps = cpu_build.isa_cap_flags("AVX2", cpu_build._cpu_signature())
-    lib = build(tmp_path_factory.mktemp("widen"), "widen", ["-march=native", *caps])
+    lib = build(tmp_path_factory.mktemp("widen"), "AVX2")
     assert lib.linear_bf16_path() == cpu_linear.PATH_WIDEN
     return cpu_linear.Kernel(lib, cpu_linear.PATH_WIDEN, amx=False)
 
@@ -112,8 +111,7 @@ def test_row_limits_follow_the_path_and_the_kind_of_cpu():
 def test_a_build_without_avx2_is_declared_and_says_so(tmp_path):
     """What a CPU without AVX2 gets (built here with the instructions switched off): a library whose only
     function says it does not compute, which cpu_linear declares without looking for the others."""
-    caps = cpu_build.isa_cap_flags("DEFAULT", cpu_build._cpu_signature())
-    lib = build(tmp_path, "stub", ["-march=native", *caps])
+    lib = build(tmp_path, "DEFAULT")
     assert lib.linear_bf16_path() == 0
     with pytest.raises(AttributeError):
         lib.linear_bf16  # noqa: B018

@@ -4,9 +4,9 @@ bf16 linears with more rows run on a CPU without native bf16.
 The kernel serves the few-row matmuls of decode, draft and small verify steps, where torch's bf16 matmul runs
 well below the speed the weights stream from memory (docs/benchmarks_context.md). Where the CPU has
 AVX512-BF16 it computes in bf16 (VDPBF16PS, or AMX tiles); on one without (AVX2 + FMA) it widens each weight
-vector to fp32 as it loads it. There torch's bf16 matmul is emulated and falls behind fp32 from 4 rows on (4x
-at 256), so a bf16 linear with more rows than the kernel serves runs as an fp32 matmul on the exactly widened
-operands (`widened`).
+vector to fp32 as it loads it. There torch's bf16 matmul is emulated and falls behind fp32 from about 8 rows on
+(4x at 256), so a bf16 linear with more rows than the kernel serves runs as an fp32 matmul on the exactly
+widened operands (`widened`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ AMX_MAX_ROWS = 24
 DPBF16_MAX_ROWS_BESIDE_AMX = 2
 DPBF16_MAX_ROWS = 8
 # Without native bf16 (measured with torch, oneDNN and MKL capped at AVX2 on an AVX-512 CPU): from 2 rows,
-# where it is 1.1-1.4x torch's bf16 matmul (at one row torch's matmul is 1.1-1.3x faster and keeps it), up to
+# where it is 1.16-1.34x torch's bf16 matmul (at one row torch's is 1.1-1.3x faster and keeps it), up to
 # 12; from 16 on the fp32 matmul on widened operands (`widened`) is as fast or faster.
 WIDEN_MIN_ROWS = 2
 WIDEN_MAX_ROWS = 12

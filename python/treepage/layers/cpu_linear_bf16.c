@@ -133,9 +133,9 @@ static void column_group(const xelem *x, const uint16_t *w, const uint16_t *bias
         /* constant tile sizes for the common cases, so the register tile is fully unrolled */
         if (nr == NR && mr == MR)
             tile(x + m0 * K, wg, K, NR, MR, acc);
+#if HAVE_DPBF16 /* MR = 4; the widening path's MR is 1 */
         else if (nr == NR && mr == 1)
             tile(x + m0 * K, wg, K, NR, 1, acc);
-#if HAVE_DPBF16
         else if (nr == NR && mr == 2)
             tile(x + m0 * K, wg, K, NR, 2, acc);
         else if (nr == NR && mr == 3)

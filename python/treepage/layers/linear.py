@@ -1,5 +1,5 @@
-"""The models' linear layers: the few-row bf16 kernel where it serves, and sibling projections (q/k/v, gate/up)
-that read the same input fused into one matmul for inference."""
+"""The models' linear layers: the CPU's bf16 paths where they serve (cpu_linear.route), and sibling projections
+(q/k/v, gate/up) that read the same input fused into one matmul for inference."""
 
 from __future__ import annotations
 
