@@ -6,7 +6,12 @@ Why self-generated answers: a draft head is scored on agreeing with the target, 
 target's own greedy continuations (EAGLE-3 regenerates its data the same way). Why ShareGPT: a head trained only
 on templates accepts ~1.7 tokens on ordinary chat traffic; real first turns are what users send.
 
-Splits (records carry id, split, source, conv, prompt, input_ids, output_ids):
+Multi-turn dialogues (--turns, --require-turns): the later user turns of a ShareGPT training conversation are
+answered too, one record per turn, each prompted with the dialogue so far, in which every earlier reply is the
+target's own answer (ShareGPT's assistant replies are never shown), so the heads see the target continue its
+own conversations.
+
+Splits (records carry id, split, source, topic, prompt, turn, input_ids, output_ids):
 - train.jsonl: ShareGPT train conversations interleaved with template prompts over training topics (--old-frac).
 - heldout.jsonl: ShareGPT conversations whose id hashes into the held-out share; training never reads them.
 - heldout_old.jsonl: the earlier held-out template prompts (topics never trained on), a second domain.
@@ -32,7 +37,7 @@ import random
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -77,6 +82,12 @@ class Prompt:
     topic: str  # template topic, or the ShareGPT conversation id
     prompt: str
     source: str = "pydoc"
+    # ShareGPT: the user turns after `prompt`, each answered with the target's own earlier answers as context
+    follow_ups: list[str] = field(default_factory=list)
+
+    def turn_id(self, turn: int) -> str:
+        """The record id of user turn `turn` (1: the prompt itself)."""
+        return self.id if turn == 1 else f"{self.id}-t{turn}"
 
 
 def python_topics() -> list[str]:
@@ -204,6 +215,21 @@ def first_user_turn(conv: dict) -> str | None:
     return turns[0]["value"].strip()
 
 
+def later_user_turns(conv: dict, ok, limit: int) -> list[str]:
+    """Up to `limit` human turns after the first, while the dialogue alternates human / assistant and each
+    turn passes `ok` (a turn that fails ends the list: what follows it answers it)."""
+    turns = conv.get("conversations") or []
+    out: list[str] = []
+    for i in range(2, len(turns), 2):
+        if len(out) >= limit or turns[i - 1].get("from") != "gpt" or turns[i].get("from") != "human":
+            break
+        text = turns[i].get("value")
+        if not isinstance(text, str) or not ok(text.strip()):
+            break
+        out.append(text.strip())
+    return out
+
+
 def looks_english(text: str) -> bool:
     """Cheap language filter: nearly all ASCII and some common English words."""
     if sum(c.isascii() for c in text) < 0.98 * len(text):
@@ -216,6 +242,11 @@ def looks_english(text: str) -> bool:
 class Filters:
     min_chars: int = 16
     max_chars: int = 600
+    turns: int = 1  # user turns per training conversation: the first and up to turns - 1 follow-ups
+    require_turns: int = 1  # training conversations with fewer usable user turns are left out
+
+    def passes(self, text: str) -> bool:
+        return self.min_chars <= len(text) <= self.max_chars and looks_english(text)
 
 
 def sharegpt_prompts(
@@ -223,7 +254,9 @@ def sharegpt_prompts(
 ) -> tuple[list[Prompt], list[Prompt], dict]:
     """(train, heldout) prompts in a seeded order (a smaller count is a prefix of a larger one) and the
     funnel counts. Dedup is global, so no prompt text is in both splits; `exclude` (normalized texts, e.g. the
-    hand-written benchmark set) never enters either."""
+    hand-written benchmark set) never enters either. Training prompts carry their conversation's follow-up
+    turns (filters.turns; held-out ones are first turns only), and those with fewer than filters.require_turns
+    user turns are dropped after the shuffle, so the order of the ones kept does not depend on it."""
     stats = {"records": len(conversations), "first_turns": 0, "length_ok": 0, "english": 0, "unique": 0}
     seen = set(exclude)
     train: list[Prompt] = []
@@ -246,12 +279,16 @@ def sharegpt_prompts(
         stats["unique"] += 1
         rid = str(conv["id"])
         split = "heldout" if is_heldout(rid) else "train"
-        (held if split == "heldout" else train).append(
-            Prompt(f"sg-{rid}", split, conversation_key(rid), text, "sharegpt")
-        )
+        p = Prompt(f"sg-{rid}", split, conversation_key(rid), text, "sharegpt")
+        if split == "train":
+            p.follow_ups = later_user_turns(conv, filters.passes, filters.turns - 1)
+        (held if split == "heldout" else train).append(p)
     for i, part in enumerate((train, held)):
         random.Random(seed + i).shuffle(part)
     stats |= {"train_pool": len(train), "heldout_pool": len(held)}
+    if filters.require_turns > 1:
+        train = [p for p in train if 1 + len(p.follow_ups) >= filters.require_turns]
+        stats["train_pool_with_turns"] = len(train)
     return train, held, stats
 
 
@@ -283,22 +320,57 @@ def mix(primary: list[Prompt], secondary: list[Prompt], frac: float) -> list[Pro
 
 
 # ------------------------------------------------------------------------------------------------ generation
-def done_ids(path: str) -> set[str]:
-    """Ids already generated; a last line cut by a kill is dropped from the file so the record is redone."""
+def done_outputs(path: str) -> dict[str, list[int]]:
+    """The answers already generated, by record id; a last line cut by a kill is dropped from the file so the
+    record is redone."""
     if not os.path.exists(path):
-        return set()
-    ids, good = set(), 0
+        return {}
+    outs, good = {}, 0
     with open(path, "rb") as f:
         for line in f:
             try:
-                ids.add(json.loads(line)["id"])
+                r = json.loads(line)
+                outs[r["id"]] = r["output_ids"]
             except (json.JSONDecodeError, KeyError):
                 break
             good += len(line)
     if good != os.path.getsize(path):
         with open(path, "rb+") as f:
             f.truncate(good)
-    return ids
+    return outs
+
+
+def record_ids(p: Prompt) -> list[str]:
+    """The ids of every record a prompt yields: its own answer, then one per follow-up turn."""
+    return [p.turn_id(t) for t in range(1, 2 + len(p.follow_ups))]
+
+
+def turn_due(p: Prompt, turn: int, answers: dict[str, list[int]]) -> bool:
+    """Whether user turn `turn` of p is still to be answered and every turn before it has been."""
+    return (
+        turn <= 1 + len(p.follow_ups)
+        and p.turn_id(turn) not in answers
+        and all(p.turn_id(t) in answers for t in range(1, turn))
+    )
+
+
+def dialogue(p: Prompt, turn: int, answers: dict[str, list[int]], tokenizer) -> list[dict[str, str]]:
+    """The chat up to user turn `turn`: the user's turns as written, each earlier reply the target's own
+    answer (as generated, so one cut at --max-new-tokens stays cut)."""
+    users = [p.prompt, *p.follow_ups]
+    messages: list[dict[str, str]] = []
+    for t in range(1, turn):
+        reply = tokenizer.decode(answers[p.turn_id(t)], skip_special_tokens=True)
+        messages += [{"role": "user", "content": users[t - 1]}, {"role": "assistant", "content": reply}]
+    return messages + [{"role": "user", "content": users[turn - 1]}]
+
+
+def turn_record(p: Prompt, turn: int, input_ids: list[int], output_ids: list[int]) -> dict:
+    rec = asdict(p)
+    del rec["follow_ups"]
+    if turn > 1:
+        rec |= {"id": p.turn_id(turn), "prompt": p.follow_ups[turn - 2], "source": f"{p.source}-turn{turn}"}
+    return rec | {"turn": turn, "input_ids": input_ids, "output_ids": output_ids}
 
 
 def count_file(path: str) -> dict:
@@ -325,6 +397,10 @@ def generator_args(model_path: str | None, dtype: str, device: str = "auto"):
     )
 
 
+def filters_of(args) -> Filters:
+    return Filters(args.min_chars, args.max_chars, args.turns, args.require_turns)
+
+
 def plan(args, conversations: list[dict] | None) -> tuple[dict[str, list[Prompt]], dict]:
     """The prompts of every output file, in generation order, and what the manifest says about them."""
     old = build_prompts(args.num_old_train, args.num_heldout_old, args.heldout_frac, args.seed)
@@ -335,7 +411,7 @@ def plan(args, conversations: list[dict] | None) -> tuple[dict[str, list[Prompt]
     if conversations is not None:
         sg_train, sg_held, info["sharegpt_funnel"] = sharegpt_prompts(
             conversations,
-            Filters(args.min_chars, args.max_chars),
+            filters_of(args),
             args.seed,
             {normalize(q) for q in handwritten},
         )
@@ -372,6 +448,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--min-chars", type=int, default=Filters.min_chars)
     ap.add_argument("--max-chars", type=int, default=Filters.max_chars)
+    ap.add_argument(
+        "--turns", type=int, default=Filters.turns, help="user turns answered per ShareGPT training dialogue"
+    )
+    ap.add_argument(
+        "--require-turns",
+        type=int,
+        default=Filters.require_turns,
+        help="only ShareGPT training conversations with at least this many usable user turns",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--dtype", default="auto", help="as the server's --dtype")
@@ -412,7 +497,7 @@ def build_plan(args) -> dict:
         conversations = read.conversations
     files, info = plan(args, conversations)
     selection = info | {
-        "filters": asdict(Filters(args.min_chars, args.max_chars)),
+        "filters": asdict(filters_of(args)),
         "language": "ASCII >= 98 % and a common English word",
         "dedup": "normalized text (case, punctuation, spacing), global across splits",
         "sharegpt_heldout": f"sha256(conversation id) mod 1000 < {SHAREGPT_HELDOUT_PERMILLE}",
@@ -450,25 +535,28 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         for name in ("heldout", "heldout_old", "train"):
             path = os.path.join(args.out, f"{name}.jsonl")
-            skip = done_ids(path)
-            todo = [p for p in files[name] if p.id not in skip]
-            bar = tqdm(total=len(todo), desc=f"generating {name}", unit="prompt")
+            answers = done_outputs(path)
+            todo = [p for p in files[name] if any(i not in answers for i in record_ids(p))]
+            bar = tqdm(total=len(todo), desc=f"generating {name}", unit="conversation")
             for i in range(0, len(todo), args.batch_size):
                 if args.max_minutes is not None and time.time() - t0 > 60 * args.max_minutes:
                     stopped_early = True
                     break
                 chunk = todo[i : i + args.batch_size]
-                ids = [
-                    apply_chat_template(engine.tokenizer, [{"role": "user", "content": p.prompt}])
-                    for p in chunk
-                ]
-                outs = engine.generate(
-                    input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": args.max_new_tokens}
-                )
-                with open(path, "a") as f:
-                    for p, inp, o in zip(chunk, ids, outs):
-                        rec = asdict(p) | {"input_ids": inp, "output_ids": o["output_ids"]}
-                        f.write(json.dumps(rec) + "\n")
+                for turn in range(1, 2 + max(len(p.follow_ups) for p in chunk)):
+                    due = [p for p in chunk if turn_due(p, turn, answers)]
+                    if not due:
+                        continue
+                    tok = engine.tokenizer
+                    ids = [apply_chat_template(tok, dialogue(p, turn, answers, tok)) for p in due]
+                    outs = engine.generate(
+                        input_ids=ids,
+                        sampling_params={"temperature": 0, "max_new_tokens": args.max_new_tokens},
+                    )
+                    with open(path, "a") as f:
+                        for p, inp, o in zip(due, ids, outs):
+                            f.write(json.dumps(turn_record(p, turn, inp, o["output_ids"])) + "\n")
+                            answers[p.turn_id(turn)] = o["output_ids"]
                 bar.update(len(chunk))
             bar.close()
             if stopped_early:
@@ -487,6 +575,7 @@ def main(argv: list[str] | None = None) -> dict:
         "decoding": "plain greedy (speculation off)",
         "max_new_tokens": args.max_new_tokens,
         "planned": {k: len(v) for k, v in files.items()},
+        "planned_records": {k: sum(len(record_ids(p)) for p in v) for k, v in files.items()},
         "files": {k: count_file(os.path.join(args.out, f"{k}.jsonl")) for k in files},
         "complete": not stopped_early,
         "generation_wall_s_this_run": round(time.time() - t0, 1),

@@ -85,6 +85,40 @@ def test_filters_and_dedup():
                      "train_pool": len(train), "heldout_pool": len(held)}  # fmt: skip
 
 
+def dialog(cid: str, *users: str) -> dict:
+    turns = []
+    for u in users:
+        turns += [{"from": "human", "value": u}, {"from": "gpt", "value": "Here you are."}]
+    return {"id": cid, "conversations": turns}
+
+
+def test_follow_up_turns_alternate_pass_the_filters_and_order_stays_the_pool_order():
+    ok = med.Filters().passes
+    c = dialog("x_0", "How do I bake bread at home?", "And how long should it rise?", "ok",
+               "What about rye flour instead?")  # fmt: skip
+    # "ok" fails the filters, and what follows it answers it: the list ends there
+    assert med.later_user_turns(c, ok, 5) == ["And how long should it rise?"]
+    assert med.later_user_turns(c, ok, 0) == []
+    two_users = {"id": "y_0", "conversations": [
+        {"from": "human", "value": "How do I bake bread at home?"}, {"from": "gpt", "value": "Like this."},
+        {"from": "human", "value": "Which oven setting is best?"},
+        {"from": "human", "value": "And which flour should I buy?"}]}  # fmt: skip
+    assert med.later_user_turns(two_users, ok, 5) == ["Which oven setting is best?"]
+    convs = chat_corpus(400) + [
+        dialog(f"m{i:03d}_0", f"Please plan a trip number {i} for me.", f"Can you add a day {i} in Rome?",
+               f"What should I pack for trip {i}?")
+        for i in range(100)
+    ]  # fmt: skip
+    plain, held, _ = med.sharegpt_prompts(convs, med.Filters(), seed=0)
+    assert all(p.follow_ups == [] for p in plain + held)  # one turn unless asked
+    train, held3, stats = med.sharegpt_prompts(convs, med.Filters(turns=3, require_turns=2), seed=0)
+    assert held3 == held and all(p.follow_ups == [] for p in held3)  # held-out stays first turns
+    assert [p.id for p in train] == [p.id for p in plain if p.id.startswith("sg-m")]  # pool order kept
+    assert stats["train_pool_with_turns"] == len(train) and all(len(p.follow_ups) == 2 for p in train)
+    two = med.sharegpt_prompts(convs, med.Filters(turns=2, require_turns=2), seed=0)[0]
+    assert [p.follow_ups for p in two] == [p.follow_ups[:1] for p in train]
+
+
 def test_handwritten_set_is_large_varied_and_distinct():
     assert len(EVERYDAY_PROMPTS) >= 30
     assert len({med.normalize(q) for q in EVERYDAY_PROMPTS}) == len(EVERYDAY_PROMPTS)
@@ -107,11 +141,11 @@ def test_template_topics_are_disjoint_and_prompts_deterministic():
     assert files["heldout"] == [] and [p.prompt for p in files["heldout_old"]] == med.heldout_questions(64)
 
 
-def test_done_ids_drops_a_line_cut_by_a_kill(tmp_path):
+def test_done_outputs_drops_a_line_cut_by_a_kill(tmp_path):
     path = tmp_path / "train.jsonl"
     good = "".join(json.dumps({"id": f"r{i}", "output_ids": [i]}) + "\n" for i in range(3))
     path.write_text(good + '{"id": "r3", "outp')
-    assert med.done_ids(str(path)) == {"r0", "r1", "r2"}
+    assert med.done_outputs(str(path)) == {"r0": [0], "r1": [1], "r2": [2]}
     assert path.read_text() == good  # the cut record will be generated again, not left as a broken line
 
 
@@ -166,3 +200,47 @@ def test_responses_are_plain_greedy_and_reruns_resume(tmp_path):
         engine.wait_idle()
         mem = engine.memory_report()
         assert mem["used_pages"] == 0 and mem["used_rows"] == 0
+
+
+def test_follow_up_turns_answer_with_the_targets_own_replies_and_resume(tmp_path):
+    """A later turn's prompt is the dialogue so far with the target's own earlier answers; a run killed
+    between turns answers only what is missing, and every answer is the target's plain greedy continuation."""
+    from treepage.managers.tokenizer import apply_chat_template
+
+    sharegpt = tmp_path / "sg.json"
+    users = ("Please plan a trip number {} for me.", "Can you add a day {} in Rome?", "What to pack for {}?")
+    convs = [dialog(f"m{i:03d}_0", *(u.format(i) for u in users)) for i in range(60)]
+    sharegpt.write_text(json.dumps(convs))
+    out = tmp_path / "data"
+    argv = ["--out", str(out), "--sharegpt", str(sharegpt), "--num-train", "3", "--num-heldout", "0",
+            "--num-old-train", "1", "--num-heldout-old", "0", "--turns", "3", "--require-turns", "2",
+            "--max-new-tokens", "5", "--dtype", "float32", "--batch-size", "2"]  # fmt: skip
+    manifest = med.main(argv)
+    assert manifest["files"]["train"]["sources"] == {"sharegpt": 3, "sharegpt-turn2": 3, "sharegpt-turn3": 3,
+                                                     "pydoc": 1}  # fmt: skip
+    assert manifest["planned_records"]["train"] == 10 and manifest["complete"]
+    path = out / "train.jsonl"
+    whole = path.read_text()
+    recs = {r["id"]: r for r in map(json.loads, whole.splitlines())}
+    # Killed after the first turns of every conversation: the rerun answers the later turns again, the same.
+    path.write_text("".join(line + "\n" for line in whole.splitlines() if json.loads(line)["turn"] == 1))
+    med.main(argv)
+    assert {r["id"]: r for r in map(json.loads, path.read_text().splitlines())} == recs
+    plain = ServerArgs(dtype="float32", speculative_algorithm="NONE", log_level="warning")
+    with Engine(plain) as engine:
+        tok = engine.tokenizer
+        for r in recs.values():
+            if r["source"] == "pydoc":
+                continue
+            conv_id = r["id"].split("-t")[0]
+            turns = [recs[conv_id if t == 1 else f"{conv_id}-t{t}"] for t in range(1, r["turn"])]
+            messages = []
+            for t in turns:
+                reply = tok.decode(t["output_ids"], skip_special_tokens=True)
+                messages.append({"role": "user", "content": t["prompt"]})
+                messages.append({"role": "assistant", "content": reply})
+            messages.append({"role": "user", "content": r["prompt"]})
+            assert r["input_ids"] == apply_chat_template(tok, messages)
+            sp = {"temperature": 0, "max_new_tokens": 5}
+            got = engine.generate(input_ids=r["input_ids"], sampling_params=sp)
+            assert got["output_ids"] == r["output_ids"]
