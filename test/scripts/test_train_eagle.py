@@ -246,3 +246,17 @@ def test_init_head_keeps_a_trained_head_and_widens_its_vocabulary(tiny_llama3_di
         te.main(common + ["--out", str(tmp_path / "x"), "--draft-vocab-size", "16", "--init-head", str(wide)])
     with pytest.raises(SystemExit):
         te.parse_args(["--algorithm", "EAGLE", "--init-head", str(narrow)])
+
+
+def test_init_head_refuses_a_head_of_another_shape():
+    """--init-head with a head trained for another target (or another head layout) fails naming the tensor,
+    instead of loading part of it."""
+    hot = torch.arange(4)
+    fresh = {"fc.weight": torch.zeros(8, 24), "lm_head.weight": torch.zeros(4, 8)}
+    d2t = torch.zeros(2, dtype=torch.long)
+    other_width = {"fc.weight": torch.zeros(8, 12), "lm_head.weight": torch.zeros(2, 8), "d2t": d2t}
+    with pytest.raises(ValueError, match=r"tensor fc\.weight \(8, 12\) does not fit"):
+        te.widened_head_state(fresh, other_width, hot)
+    extra = dict(other_width, **{"fc.weight": torch.zeros(8, 24), "midlayer.extra": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"tensor midlayer\.extra \(3,\) does not fit"):
+        te.widened_head_state(fresh, extra, hot)
