@@ -37,6 +37,7 @@ import random
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -215,7 +216,7 @@ def first_user_turn(conv: dict) -> str | None:
     return turns[0]["value"].strip()
 
 
-def later_user_turns(conv: dict, ok, limit: int) -> list[str]:
+def later_user_turns(conv: dict, ok: Callable[[str], bool], limit: int) -> list[str]:
     """Up to `limit` human turns after the first, while the dialogue alternates human / assistant and each
     turn passes `ok` (a turn that fails ends the list: what follows it answers it)."""
     turns = conv.get("conversations") or []
@@ -245,8 +246,12 @@ class Filters:
     turns: int = 1  # user turns per training conversation: the first and up to turns - 1 follow-ups
     require_turns: int = 1  # training conversations with fewer usable user turns are left out
 
+    def length_ok(self, text: str) -> bool:
+        return self.min_chars <= len(text) <= self.max_chars
+
     def passes(self, text: str) -> bool:
-        return self.min_chars <= len(text) <= self.max_chars and looks_english(text)
+        """What a user turn must be to enter the data (sharegpt_prompts counts the two tests apart)."""
+        return self.length_ok(text) and looks_english(text)
 
 
 def sharegpt_prompts(
@@ -266,7 +271,7 @@ def sharegpt_prompts(
         if text is None:
             continue
         stats["first_turns"] += 1
-        if not filters.min_chars <= len(text) <= filters.max_chars:
+        if not filters.length_ok(text):
             continue
         stats["length_ok"] += 1
         if not looks_english(text):
@@ -543,11 +548,11 @@ def main(argv: list[str] | None = None) -> dict:
                     stopped_early = True
                     break
                 chunk = todo[i : i + args.batch_size]
+                tok = engine.tokenizer
                 for turn in range(1, 2 + max(len(p.follow_ups) for p in chunk)):
                     due = [p for p in chunk if turn_due(p, turn, answers)]
                     if not due:
                         continue
-                    tok = engine.tokenizer
                     ids = [apply_chat_template(tok, dialogue(p, turn, answers, tok)) for p in due]
                     outs = engine.generate(
                         input_ids=ids,

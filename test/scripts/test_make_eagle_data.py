@@ -225,7 +225,7 @@ def test_follow_up_turns_answer_with_the_targets_own_replies_and_resume(tmp_path
     # Killed after the first turns of every conversation: the rerun answers the later turns again, the same.
     path.write_text("".join(line + "\n" for line in whole.splitlines() if json.loads(line)["turn"] == 1))
     med.main(argv)
-    assert {r["id"]: r for r in map(json.loads, path.read_text().splitlines())} == recs
+    assert sorted(path.read_text().splitlines()) == sorted(whole.splitlines())  # no record twice
     plain = ServerArgs(dtype="float32", speculative_algorithm="NONE", log_level="warning")
     with Engine(plain) as engine:
         tok = engine.tokenizer
