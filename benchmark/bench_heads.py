@@ -10,7 +10,9 @@ Held-out prompts are rebuilt by scripts/make_eagle_data.py's generator (topics n
 benchmark needs no data directory. --acceptance measures EAGLE-3 accept length on three sets the heads never
 trained on: the ShareGPT held-out conversations, the template held-out prompts and the hand-written everyday
 requests (benchmark/everyday_prompts.py), per tree shape, temperature and dtype, for the shipped head and every
---head. Results: benchmark/results/<--name>.json plus a markdown table.
+--head; and, with --sets sharegpt_turns, on the later user turns of the held-out conversations, each sent as a
+chat client sends it (the dialogue so far, every earlier reply the target's own). Results:
+benchmark/results/<--name>.json plus a markdown table.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ sys.path.insert(0, str(HERE.parent / "scripts"))
 
 from common import (  # noqa: E402
     DEFAULT_SET_SIZE,
+    DIALOGUE_SET,
+    PROMPT_SET_NAMES,
     chat_ids,
     ensure_passive_omp,
     machine_info,
@@ -39,13 +43,20 @@ from common import (  # noqa: E402
     profile_decode,
     prompt_sets,
     run_requests,
+    set_size,
     write_results,
 )
-from make_eagle_data import heldout_questions  # noqa: E402
+from make_eagle_data import (  # noqa: E402
+    Prompt,
+    dialogue,
+    heldout_questions,
+    record_ids,
+    sharegpt_heldout_dialogues,
+)
 
 from treepage.arg_groups.speculative import DEFAULT_SERVER_TREE  # noqa: E402
 from treepage.entrypoints.engine import CumulativeOutput, Engine  # noqa: E402
-from treepage.managers.tokenizer import load_tokenizer  # noqa: E402
+from treepage.managers.tokenizer import apply_chat_template, load_tokenizer  # noqa: E402
 from treepage.models.loader import default_model_path  # noqa: E402
 from treepage.models.shipped_heads import shipped_head_path  # noqa: E402
 from treepage.server_args import ServerArgs  # noqa: E402
@@ -176,24 +187,51 @@ def decode_set(
     }
 
 
+def later_turn_prompts(
+    engine: Engine, dialogs: list[Prompt], history_tokens: int, group: int
+) -> list[list[int]]:
+    """Every later user turn of `dialogs` as a chat client sends it: the dialogue so far, in which each earlier
+    reply is this engine's greedy answer of up to history_tokens (as in the training data's dialogues,
+    scripts/make_eagle_data.py). Conversation by conversation, turn by turn."""
+    tok = engine.tokenizer
+    answers: dict[str, list[int]] = {}
+    prompts: dict[str, list[int]] = {}
+    for turn in range(2, 2 + max(len(p.follow_ups) for p in dialogs)):
+        due = [p for p in dialogs if 1 + len(p.follow_ups) >= turn]
+        asked = [apply_chat_template(tok, dialogue(p, turn - 1, answers, tok)) for p in due]
+        for p, out in zip(due, decode_set(engine, asked, history_tokens, 0.0, group)["outputs"]):
+            answers[p.turn_id(turn - 1)] = out
+        prompts |= {p.turn_id(turn): apply_chat_template(tok, dialogue(p, turn, answers, tok)) for p in due}
+    return [prompts[i] for p in dialogs for i in record_ids(p)[1:]]
+
+
 def acceptance(args) -> dict:
     """Accept length of EAGLE-3 heads on every prompt set x tree shape x temperature x dtype (plus, greedy, plain
     decoding of the same prompts, so that fp32 exactness is checked on every set)."""
     machine = machine_info()
     tok = load_tokenizer(default_model_path())
-    sets = prompt_sets(args.sets, parse_set_sizes(args.set_size))
+    sizes = parse_set_sizes(args.set_size)
+    sets: dict[str, list] = prompt_sets([s for s in args.sets if s != DIALOGUE_SET], sizes)
     ids = {name: [chat_ids(tok, q) for q in qs] for name, qs in sets.items()}
+    dialogs = sharegpt_heldout_dialogues(set_size(sizes, DIALOGUE_SET)) if DIALOGUE_SET in args.sets else []
+    if dialogs:  # the user turns of each conversation; the prompts depend on the dtype's answers
+        sets[DIALOGUE_SET] = [[p.prompt, *p.follow_ups] for p in dialogs]
     heads = {} if args.skip_shipped else {"shipped": shipped_head_path("EAGLE3")}
     heads |= dict(h.split("=", 1) for h in args.compare)
     runs: list[dict] = []
+    dialogue_tokens: dict[str, list[int]] = {}
     for dtype in args.dtypes:
         plain: dict[str, list] = {}
-        if 0.0 in args.temperatures:
+        if 0.0 in args.temperatures or dialogs:
             engine = Engine(ServerArgs(dtype=dtype, page_size=args.page_size, log_level="warning",
                                        speculative_algorithm="NONE"))  # fmt: skip
             try:
-                for name, p in ids.items():
-                    plain[name] = decode_set(engine, p, args.max_new_tokens, 0.0, args.group)["outputs"]
+                if dialogs:
+                    ids[DIALOGUE_SET] = later_turn_prompts(engine, dialogs, args.history_tokens, args.group)
+                    dialogue_tokens[dtype] = [len(p) for p in ids[DIALOGUE_SET]]
+                if 0.0 in args.temperatures:
+                    for name, p in ids.items():
+                        plain[name] = decode_set(engine, p, args.max_new_tokens, 0.0, args.group)["outputs"]
             finally:
                 engine.shutdown()
         for label, path in heads.items():
@@ -228,11 +266,11 @@ def acceptance(args) -> dict:
                     engine.shutdown()
     rows = []
     for r in runs:
-        eq = f"{r['equal_to_plain']}/{len(sets[r['set']])}" if "equal_to_plain" in r else "-"
+        eq = f"{r['equal_to_plain']}/{len(ids[r['set']])}" if "equal_to_plain" in r else "-"
         rows.append(
             [r["head"], r["dtype"], f"({r['shape']})", r["temperature"], r["set"], r["accept_len"], eq]
         )
-    counts = ", ".join(f"{k} {len(v)}" for k, v in sets.items())
+    counts = ", ".join(f"{k} {len(v)}" for k, v in ids.items())
     print_table(
         f"EAGLE-3 accept length, prompts per set: {counts}; up to {args.max_new_tokens} new tokens, page {args.page_size}",
         ["head", "dtype", "(S,K,N)", "T", "set", "accept len", "equal to plain"],
@@ -241,7 +279,7 @@ def acceptance(args) -> dict:
     # Paths relative to the repository where they lie in it, so results name no machine's folders.
     where = {k: os.path.relpath(v, HERE.parent) if Path(v).resolve().is_relative_to(HERE.parent) else str(v)
              for k, v in heads.items()}  # fmt: skip
-    return {"sets": sets, "heads": where, "runs": runs}
+    return {"sets": sets, "dialogue_prompt_tokens": dialogue_tokens, "heads": where, "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -262,10 +300,17 @@ def main(argv: list[str] | None = None) -> dict:
         "--compare", action="append", default=[], help="LABEL=DIR: another EAGLE-3 head to measure"
     )
     ap.add_argument("--skip-shipped", action="store_true", help="--acceptance: only the --compare heads")
-    ap.add_argument("--sets", nargs="+", default=["sharegpt", "old", "everyday"])
+    ap.add_argument(
+        "--sets", nargs="+", choices=(*PROMPT_SET_NAMES, DIALOGUE_SET), default=["sharegpt", "old", "everyday"]
+    )
+    ap.add_argument(
+        "--history-tokens", type=int, default=128,
+        help=f"--sets {DIALOGUE_SET}: new tokens of each earlier reply (the training data's answers: 128)",
+    )
     ap.add_argument(
         "--set-size", nargs="+", default=[str(DEFAULT_SET_SIZE)],
-        help="--acceptance: prompts per set, or NAME=COUNT per set (COUNT 'all': the whole set)",
+        help=f"--acceptance: prompts per set, or NAME=COUNT per set (COUNT 'all': the whole set; {DIALOGUE_SET}: "
+        "conversations, each with one or two later turns)",
     )
     ap.add_argument("--shapes", nargs="+", default=["{},{},{}".format(*DEFAULT_SERVER_TREE), "5,8,32"])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])

@@ -142,6 +142,9 @@ def median(xs: Sequence[float]) -> float:
 
 
 PROMPT_SET_NAMES = ("sharegpt", "old", "everyday")
+# Later user turns of the ShareGPT held-out conversations: its prompts are dialogues whose earlier replies the
+# target writes (bench_heads.later_turn_prompts), so they exist only per engine; its size counts conversations.
+DIALOGUE_SET = "sharegpt_turns"
 DEFAULT_SET_SIZE = 16
 
 
@@ -161,7 +164,12 @@ def prompt_sets(names: Sequence[str], n: int | Mapping[str, int | None]) -> dict
         return [EVERYDAY_PROMPTS[i * len(EVERYDAY_PROMPTS) // k] for i in range(k)]
 
     make = {"sharegpt": sharegpt_heldout_questions, "old": heldout_questions, "everyday": everyday}
-    return {name: make[name](n if isinstance(n, int) else n.get(name, DEFAULT_SET_SIZE)) for name in names}
+    return {name: make[name](set_size(n, name)) for name in names}
+
+
+def set_size(n: int | Mapping[str, int | None], name: str) -> int | None:
+    """The count asked for set `name`: one count for every set, or its own (DEFAULT_SET_SIZE if not named)."""
+    return n if isinstance(n, int) else n.get(name, DEFAULT_SET_SIZE)
 
 
 def parse_set_sizes(items: Sequence[str]) -> int | dict[str, int | None]:
@@ -172,8 +180,9 @@ def parse_set_sizes(items: Sequence[str]) -> int | dict[str, int | None]:
     sizes: dict[str, int | None] = {}
     for item in items:
         name, _, count = item.partition("=")
-        if name not in PROMPT_SET_NAMES or not count:
-            raise ValueError(f"--set-size: expected NAME=COUNT with NAME in {PROMPT_SET_NAMES}, got {item!r}")
+        names = (*PROMPT_SET_NAMES, DIALOGUE_SET)
+        if name not in names or not count:
+            raise ValueError(f"--set-size: expected NAME=COUNT with NAME in {names}, got {item!r}")
         sizes[name] = None if count == "all" else int(count)
     return sizes
 

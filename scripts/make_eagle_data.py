@@ -19,7 +19,10 @@ manifest.json records sources, counts, filters, seeds and versions. Re-running r
 jsonl files are skipped (a line cut by a kill is dropped), and --max-minutes stops cleanly at a time budget.
 
     python scripts/make_eagle_data.py --out build/eagle-chat4 --num-train 6500 --num-heldout 146 \
-        --num-old-train 1280 --old-frac 0.1645 --max-new-tokens 128 --dtype float32 --batch-size 32  # shipped EAGLE-3
+        --num-old-train 1280 --old-frac 0.1645 --max-new-tokens 128 --dtype float32 --batch-size 32  # EAGLE-3 ...
+    python scripts/make_eagle_data.py --out build/eagle-turns --num-train 1104 --num-heldout 146 \
+        --num-old-train 368 --old-frac 0.25 --turns 3 --require-turns 2 --max-new-tokens 128 \
+        --dtype float32 --batch-size 32                            # ... and its multi-turn fine-tune
     python scripts/make_eagle_data.py --out build/eagle --sharegpt none --num-train 0 --num-heldout 0 \
         --num-old-train 1280 --max-new-tokens 128                  # the template-only recipe (EAGLE head)
     python scripts/make_eagle_data.py --out build/plan --plan-only # prompts + sources only, to plan.json ...
@@ -302,6 +305,23 @@ def sharegpt_heldout_questions(n: int | None, seed: int = SEED) -> list[str]:
     read, _ = load_packaged_sharegpt()
     exclude = {normalize(q) for q in handwritten_prompts()}
     return [p.prompt for p in sharegpt_prompts(read.conversations, Filters(), seed, exclude)[1][:n]]
+
+
+def sharegpt_heldout_dialogues(n: int | None, turns: int = 3, seed: int = SEED) -> list[Prompt]:
+    """The first n (None: all) held-out conversations of the default data set that have a later user turn, in
+    the held-out order, each with up to turns - 1 follow-ups under the training data's filters: the later turns
+    of dialogues training never saw (heldout.jsonl holds only their first turns)."""
+    read, _ = load_packaged_sharegpt()
+    exclude = {normalize(q) for q in handwritten_prompts()}
+    filters = Filters(turns=turns)
+    held = sharegpt_prompts(read.conversations, filters, seed, exclude)[1]
+    by_id = {f"sg-{c['id']}": c for c in read.conversations}
+    out: list[Prompt] = []
+    for p in held:
+        p.follow_ups = later_user_turns(by_id[p.id], filters.passes, turns - 1)
+        if p.follow_ups:
+            out.append(p)
+    return out[:n]
 
 
 def handwritten_prompts() -> list[str]:

@@ -67,3 +67,44 @@ def test_decode_set_returns_whole_outputs(tiny_llama_dir, group):
         ]
     assert got["outputs"] == want and all(len(o) > 1 for o in want)
     assert got["accept_len"] is None and got["accept_len_per_prompt"] is None  # no speculation, no rounds
+
+
+def test_dialogue_set_is_the_later_turns_of_held_out_conversations():
+    sizes = bench_heads.parse_set_sizes(["sharegpt_turns=all", "sharegpt=4"])
+    assert sizes == {"sharegpt_turns": None, "sharegpt": 4}
+    dialogs = med.sharegpt_heldout_dialogues(None)
+    _, held = sharegpt_split()
+    # The held-out conversations that go on, in the held-out order, each with one or two usable later turns.
+    assert [p.id for p in dialogs] == [p.id for p in held if p.id in {d.id for d in dialogs}]
+    assert len(dialogs) > 50 and all(1 <= len(p.follow_ups) <= 2 for p in dialogs)
+    assert all(med.is_heldout(f"{p.topic}_1") and med.Filters().passes(t) for p in dialogs for t in p.follow_ups)
+    assert {len(p.follow_ups) for p in dialogs} == {1, 2}
+    assert [p.follow_ups for p in med.sharegpt_heldout_dialogues(5, turns=2)] == [
+        p.follow_ups[:1] for p in dialogs[:5]
+    ]
+
+
+def test_later_turn_prompts_carry_the_targets_own_replies():
+    """Each later turn is prompted with the dialogue so far, every earlier reply the engine's own greedy answer
+    of --history-tokens, as a chat client would send it; the order is conversation by conversation."""
+    from treepage.managers.tokenizer import apply_chat_template
+
+    dialogs = [
+        med.Prompt("sg-a", "heldout", "a", "Name a fruit.", "sharegpt", ["And a vegetable?", "And a nut?"]),
+        med.Prompt("sg-b", "heldout", "b", "Say hello.", "sharegpt", ["Now say goodbye."]),
+    ]
+    sp = {"temperature": 0, "max_new_tokens": 6}
+    with Engine(ServerArgs(dtype="float32", speculative_algorithm="NONE", log_level="warning")) as engine:
+        got = bench_heads.later_turn_prompts(engine, dialogs, 6, group=2)
+        tok = engine.tokenizer
+        want = []
+        for p in dialogs:
+            messages: list[dict] = []
+            for user in [p.prompt, *p.follow_ups]:
+                messages.append({"role": "user", "content": user})
+                ids = apply_chat_template(tok, messages)
+                if len(messages) > 1:
+                    want.append(ids)
+                reply = engine.generate(input_ids=ids, sampling_params=sp)["output_ids"]
+                messages.append({"role": "assistant", "content": tok.decode(reply, skip_special_tokens=True)})
+    assert got == want and len(got) == 3
