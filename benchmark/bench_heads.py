@@ -48,9 +48,9 @@ from common import (  # noqa: E402
 )
 from make_eagle_data import (  # noqa: E402
     Prompt,
+    answer_turns,
     dialogue,
     heldout_questions,
-    record_ids,
     sharegpt_heldout_dialogues,
 )
 
@@ -191,18 +191,21 @@ def later_turn_prompts(
     engine: Engine, dialogs: list[Prompt], history_tokens: int, group: int
 ) -> list[list[int]]:
     """Every later user turn of `dialogs` as a chat client sends it: the dialogue so far, in which each earlier
-    reply is this engine's greedy answer of up to history_tokens (as in the training data's dialogues,
+    reply is this engine's greedy answer of up to history_tokens (answered as the training data's dialogues are,
     scripts/make_eagle_data.py). Conversation by conversation, turn by turn."""
     tok = engine.tokenizer
     answers: dict[str, list[int]] = {}
-    prompts: dict[str, list[int]] = {}
-    for turn in range(2, 2 + max(len(p.follow_ups) for p in dialogs)):
-        due = [p for p in dialogs if 1 + len(p.follow_ups) >= turn]
-        asked = [apply_chat_template(tok, dialogue(p, turn - 1, answers, tok)) for p in due]
-        for p, out in zip(due, decode_set(engine, asked, history_tokens, 0.0, group)["outputs"]):
-            answers[p.turn_id(turn - 1)] = out
-        prompts |= {p.turn_id(turn): apply_chat_template(tok, dialogue(p, turn, answers, tok)) for p in due}
-    return [prompts[i] for p in dialogs for i in record_ids(p)[1:]]
+
+    def generate(ids: list[list[int]]) -> list[list[int]]:
+        return decode_set(engine, ids, history_tokens, 0.0, group)["outputs"]
+
+    # every turn but the last of each conversation is answered; the last ones are what the heads answer
+    list(answer_turns(dialogs, answers, tok, generate, last=lambda p: len(p.follow_ups)))
+    return [
+        apply_chat_template(tok, dialogue(p, turn, answers, tok))
+        for p in dialogs
+        for turn in range(2, 2 + len(p.follow_ups))
+    ]
 
 
 def acceptance(args) -> dict:

@@ -178,9 +178,9 @@ def parse_set_sizes(items: Sequence[str]) -> int | dict[str, int | None]:
     if len(items) == 1 and "=" not in items[0]:
         return int(items[0])
     sizes: dict[str, int | None] = {}
+    names = (*PROMPT_SET_NAMES, DIALOGUE_SET)
     for item in items:
         name, _, count = item.partition("=")
-        names = (*PROMPT_SET_NAMES, DIALOGUE_SET)
         if name not in names or not count:
             raise ValueError(f"--set-size: expected NAME=COUNT with NAME in {names}, got {item!r}")
         sizes[name] = None if count == "all" else int(count)

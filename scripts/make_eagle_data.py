@@ -40,7 +40,7 @@ import random
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -258,13 +258,18 @@ class Filters:
 
 
 def sharegpt_prompts(
-    conversations: list[dict], filters: Filters, seed: int, exclude: set[str] = frozenset()
+    conversations: list[dict],
+    filters: Filters,
+    seed: int,
+    exclude: set[str] = frozenset(),
+    heldout_follow_ups: bool = False,
 ) -> tuple[list[Prompt], list[Prompt], dict]:
     """(train, heldout) prompts in a seeded order (a smaller count is a prefix of a larger one) and the
     funnel counts. Dedup is global, so no prompt text is in both splits; `exclude` (normalized texts, e.g. the
     hand-written benchmark set) never enters either. Training prompts carry their conversation's follow-up
-    turns (filters.turns; held-out ones are first turns only), and those with fewer than filters.require_turns
-    user turns are dropped after the shuffle, so the order of the ones kept does not depend on it."""
+    turns (filters.turns; held-out ones only with heldout_follow_ups, for the benchmark: the data's held-out
+    files are first turns), and those with fewer than filters.require_turns user turns are dropped after the
+    shuffle, so the order of the ones kept does not depend on it."""
     stats = {"records": len(conversations), "first_turns": 0, "length_ok": 0, "english": 0, "unique": 0}
     seen = set(exclude)
     train: list[Prompt] = []
@@ -288,7 +293,7 @@ def sharegpt_prompts(
         rid = str(conv["id"])
         split = "heldout" if is_heldout(rid) else "train"
         p = Prompt(f"sg-{rid}", split, conversation_key(rid), text, "sharegpt")
-        if split == "train":
+        if split == "train" or heldout_follow_ups:
             p.follow_ups = later_user_turns(conv, filters.passes, filters.turns - 1)
         (held if split == "heldout" else train).append(p)
     for i, part in enumerate((train, held)):
@@ -300,28 +305,24 @@ def sharegpt_prompts(
     return train, held, stats
 
 
-def sharegpt_heldout_questions(n: int | None, seed: int = SEED) -> list[str]:
-    """The first n ShareGPT held-out prompts of the default data set (None: all; as generated into heldout.jsonl)."""
+def packaged_heldout(filters: Filters, seed: int) -> list[Prompt]:
+    """The default data set's ShareGPT held-out prompts (the packaged file, the hand-written set excluded), with
+    their follow-up turns under `filters`."""
     read, _ = load_packaged_sharegpt()
     exclude = {normalize(q) for q in handwritten_prompts()}
-    return [p.prompt for p in sharegpt_prompts(read.conversations, Filters(), seed, exclude)[1][:n]]
+    return sharegpt_prompts(read.conversations, filters, seed, exclude, heldout_follow_ups=True)[1]
+
+
+def sharegpt_heldout_questions(n: int | None, seed: int = SEED) -> list[str]:
+    """The first n ShareGPT held-out prompts of the default data set (None: all; as generated into heldout.jsonl)."""
+    return [p.prompt for p in packaged_heldout(Filters(), seed)[:n]]
 
 
 def sharegpt_heldout_dialogues(n: int | None, turns: int = 3, seed: int = SEED) -> list[Prompt]:
     """The first n (None: all) held-out conversations of the default data set that have a later user turn, in
     the held-out order, each with up to turns - 1 follow-ups under the training data's filters: the later turns
     of dialogues training never saw (heldout.jsonl holds only their first turns)."""
-    read, _ = load_packaged_sharegpt()
-    exclude = {normalize(q) for q in handwritten_prompts()}
-    filters = Filters(turns=turns)
-    held = sharegpt_prompts(read.conversations, filters, seed, exclude)[1]
-    by_id = {f"sg-{c['id']}": c for c in read.conversations}
-    out: list[Prompt] = []
-    for p in held:
-        p.follow_ups = later_user_turns(by_id[p.id], filters.passes, turns - 1)
-        if p.follow_ups:
-            out.append(p)
-    return out[:n]
+    return [p for p in packaged_heldout(Filters(turns=turns), seed) if p.follow_ups][:n]
 
 
 def handwritten_prompts() -> list[str]:
@@ -370,10 +371,10 @@ def record_ids(p: Prompt) -> list[str]:
     return [p.turn_id(t) for t in range(1, 2 + len(p.follow_ups))]
 
 
-def turn_due(p: Prompt, turn: int, answers: dict[str, list[int]]) -> bool:
-    """Whether user turn `turn` of p is still to be answered and every turn before it has been."""
+def turn_due(p: Prompt, turn: int, answers: dict[str, list[int]], last: int) -> bool:
+    """Whether user turn `turn` (at most `last`) of p is still to be answered and every turn before it has been."""
     return (
-        turn <= 1 + len(p.follow_ups)
+        turn <= last
         and p.turn_id(turn) not in answers
         and all(p.turn_id(t) in answers for t in range(1, turn))
     )
@@ -388,6 +389,28 @@ def dialogue(p: Prompt, turn: int, answers: dict[str, list[int]], tokenizer) -> 
         reply = tokenizer.decode(answers[p.turn_id(t)], skip_special_tokens=True)
         messages += [{"role": "user", "content": users[t - 1]}, {"role": "assistant", "content": reply}]
     return messages + [{"role": "user", "content": users[turn - 1]}]
+
+
+def answer_turns(
+    prompts: list[Prompt],
+    answers: dict[str, list[int]],
+    tokenizer,
+    generate: Callable[[list[list[int]]], list[list[int]]],
+    last: Callable[[Prompt], int] = lambda p: 1 + len(p.follow_ups),
+) -> Iterator[tuple[int, list[Prompt], list[list[int]], list[list[int]]]]:
+    """Answer every user turn of `prompts` up to last(p) that `answers` lacks, turn by turn (a turn's prompt is
+    the dialogue of the answers before it), one `generate` call per turn over all prompts due; each answer goes
+    into `answers`, and each turn's (turn, prompts, input ids, outputs) is yielded once generated."""
+    from treepage.managers.tokenizer import apply_chat_template
+
+    for turn in range(1, 1 + max(last(p) for p in prompts)):
+        due = [p for p in prompts if turn_due(p, turn, answers, last(p))]
+        if not due:
+            continue
+        ids = [apply_chat_template(tokenizer, dialogue(p, turn, answers, tokenizer)) for p in due]
+        outs = generate(ids)
+        answers |= {p.turn_id(turn): out for p, out in zip(due, outs)}
+        yield turn, due, ids, outs
 
 
 def turn_record(p: Prompt, turn: int, input_ids: list[int], output_ids: list[int]) -> dict:
@@ -540,7 +563,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     from treepage.entrypoints.engine import Engine
-    from treepage.managers.tokenizer import apply_chat_template
 
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -556,6 +578,10 @@ def main(argv: list[str] | None = None) -> dict:
     files = {k: [Prompt(**p) for p in v] for k, v in saved["files"].items()}
     engine = Engine(generator_args(args.model_path, args.dtype, args.device))
     assert not engine.args.speculation
+
+    def generate(ids: list[list[int]]) -> list[list[int]]:
+        sp = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
+        return [o["output_ids"] for o in engine.generate(input_ids=ids, sampling_params=sp)]
     stopped_early = False
     try:
         for name in ("heldout", "heldout_old", "train"):
@@ -568,20 +594,10 @@ def main(argv: list[str] | None = None) -> dict:
                     stopped_early = True
                     break
                 chunk = todo[i : i + args.batch_size]
-                tok = engine.tokenizer
-                for turn in range(1, 2 + max(len(p.follow_ups) for p in chunk)):
-                    due = [p for p in chunk if turn_due(p, turn, answers)]
-                    if not due:
-                        continue
-                    ids = [apply_chat_template(tok, dialogue(p, turn, answers, tok)) for p in due]
-                    outs = engine.generate(
-                        input_ids=ids,
-                        sampling_params={"temperature": 0, "max_new_tokens": args.max_new_tokens},
-                    )
+                for turn, due, ids, outs in answer_turns(chunk, answers, engine.tokenizer, generate):
                     with open(path, "a") as f:
-                        for p, inp, o in zip(due, ids, outs):
-                            f.write(json.dumps(turn_record(p, turn, inp, o["output_ids"])) + "\n")
-                            answers[p.turn_id(turn)] = o["output_ids"]
+                        for p, inp, out in zip(due, ids, outs):
+                            f.write(json.dumps(turn_record(p, turn, inp, out)) + "\n")
                 bar.update(len(chunk))
             bar.close()
             if stopped_early:
