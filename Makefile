@@ -42,7 +42,8 @@ clean:
 # Data generation + training of the shipped draft heads for the default model; CPU or GPU (docs/training.md).
 # EAGLE-3: 6,500 ShareGPT first turns + 1,280 template prompts, fp32 greedy labels, an 8,192-token draft
 # vocabulary; then fine-tuned on 1,104 of those conversations carried on for up to two more user turns (each
-# prompted with the target's own earlier replies) + 368 template prompts.
+# prompted with the target's own earlier replies) + 368 template prompts; then on those records plus 1,500
+# requests the target wrote itself.
 # EAGLE: the template recipe (CPython help topics + everyday subjects).
 train-heads: $(STAMP)
 	$(PY) scripts/make_eagle_data.py --out build/eagle-chat4 --num-train 6500 --num-heldout 146 \
@@ -54,7 +55,15 @@ train-heads: $(STAMP)
 		--batch-size 32
 	$(PY) scripts/train_eagle.py --algorithm EAGLE3 --data build/eagle-turns --init-head build/eagle-chat4/head \
 		--draft-vocab-size 8192 --steps 380 --lr 3e-4 --eval-every 95 --ckpt-every 50 \
-		--loss-png docs/eagle3_turns_loss.png
+		--out build/eagle-turns/head --loss-png docs/eagle3_turns_loss.png
+	mkdir -p build/eagle-self  # starts from the multi-turn records (already answered), once
+	[ -e build/eagle-self/train.jsonl ] || cp build/eagle-turns/*.jsonl build/eagle-self/
+	$(PY) scripts/make_eagle_data.py --out build/eagle-self --num-train 1104 --num-heldout 146 \
+		--num-old-train 368 --old-frac 0.25 --turns 3 --require-turns 2 --num-self-train 1500 --self-frac 0.5 \
+		--max-new-tokens 128 --dtype float32 --batch-size 32
+	$(PY) scripts/train_eagle.py --algorithm EAGLE3 --data build/eagle-self --init-head build/eagle-turns/head \
+		--draft-vocab-size 8192 --steps 450 --lr 3e-4 --eval-every 150 --ckpt-every 50 \
+		--loss-png docs/eagle3_self_loss.png
 	$(PY) scripts/make_eagle_data.py --out build/eagle --sharegpt none --num-train 0 --num-heldout 0 \
 		--num-old-train 1280 --max-new-tokens 128
 	$(PY) scripts/train_eagle.py --algorithm EAGLE --data build/eagle --heldout heldout_old \

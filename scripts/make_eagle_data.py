@@ -11,8 +11,13 @@ answered too, one record per turn, each prompted with the dialogue so far, in wh
 target's own answer (ShareGPT's assistant replies are never shown), so the heads see the target continue its
 own conversations.
 
+Self-written prompts (--num-self-train): requests the target writes itself, sampled after the chat template's
+opening of a user turn (self_prompts.jsonl keeps every candidate with its seed), answered like the others. They
+are made where the model runs, so a --plan-only plan does not hold them.
+
 Splits (records carry id, split, source, topic, prompt, turn, input_ids, output_ids):
-- train.jsonl: ShareGPT train conversations interleaved with template prompts over training topics (--old-frac).
+- train.jsonl: ShareGPT train conversations interleaved with template prompts over training topics (--old-frac),
+  and with self-written prompts (--self-frac).
 - heldout.jsonl: ShareGPT conversations whose id hashes into the held-out share; training never reads them.
 - heldout_old.jsonl: the earlier held-out template prompts (topics never trained on), a second domain.
 manifest.json records sources, counts, filters, seeds and versions. Re-running resumes: records already in the
@@ -345,25 +350,92 @@ def mix(primary: list[Prompt], secondary: list[Prompt], frac: float) -> list[Pro
     return out + secondary[j:]
 
 
+# ------------------------------------------------------------------------------------------------ self-prompted
+# The target writes user requests itself: sampled from the chat template's opening of a user turn, an instruct
+# model continues with the kind of request it was tuned to answer (the "Magpie" recipe): first turns beyond the
+# ShareGPT pool, which the shipped head's data uses up, from the distribution the target itself was tuned on.
+SELF_PROMPT_SAMPLING = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 96}
+SELF_SEED_STRIDE = 1_000_000  # candidate i of --seed s is sampled with seed s * stride + i
+_MARK = "\u0001"
+
+
+def user_turn_opening(tokenizer) -> list[int]:
+    """The chat template's tokens up to where a user's words start (its default system turn included)."""
+    msgs = [{"role": "user", "content": _MARK}]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
+    return list(tokenizer.encode(text[: text.index(_MARK)], add_special_tokens=False))
+
+
+def self_prompted(
+    n: int,
+    sample: Callable[[list[int]], list[tuple[str, bool]]],
+    filters: Filters,
+    seen: set[str],
+    path: str,
+    seed: int,
+    chunk: int,
+) -> tuple[list[Prompt], dict]:
+    """The first n requests the target writes itself that end their turn, pass `filters` and are new (normalized
+    text not in `seen`, which they join), and the funnel counts. Candidate i is sampled with its own seed, so the
+    list depends on nothing but n (a smaller n is a prefix of a larger one). `sample(seeds)` returns (text,
+    whether the target closed its turn) per seed; every candidate is appended to `path`, and a rerun samples only
+    the seeds beyond it."""
+    cands = read_appended(path, "ended")
+    out: list[Prompt] = []
+    stats = {"candidates": 0, "ended": 0, "passed_filters": 0, "new": 0}
+    i = 0
+    while len(out) < n:
+        if i == len(cands):
+            seeds = [seed * SELF_SEED_STRIDE + j for j in range(i, i + chunk)]
+            got = [{"seed": s, "text": t, "ended": e} for s, (t, e) in zip(seeds, sample(seeds))]
+            with open(path, "a") as f:
+                f.writelines(json.dumps(c) + "\n" for c in got)
+            cands += got
+        c = cands[i]
+        if c["seed"] != seed * SELF_SEED_STRIDE + i:
+            raise ValueError(f"{path} was sampled with another --seed; move it away or pass that seed")
+        i += 1
+        stats["candidates"] += 1
+        if not c["ended"]:
+            continue
+        stats["ended"] += 1
+        if not filters.passes(c["text"]):
+            continue
+        stats["passed_filters"] += 1
+        key = normalize(c["text"])
+        if key in seen:
+            continue
+        seen.add(key)
+        stats["new"] += 1
+        out.append(Prompt(f"self-{c['seed']}", "train", "self", c["text"], "self"))
+    return out, stats
+
+
 # ------------------------------------------------------------------------------------------------ generation
-def done_outputs(path: str) -> dict[str, list[int]]:
-    """The answers already generated, by record id; a last line cut by a kill is dropped from the file so the
-    record is redone."""
+def read_appended(path: str, key: str) -> list[dict]:
+    """The complete records of a file appended to line by line (each has `key`); a last line cut by a kill is
+    dropped from the file, so its record is made again."""
     if not os.path.exists(path):
-        return {}
-    outs, good = {}, 0
+        return []
+    records, good = [], 0
     with open(path, "rb") as f:
         for line in f:
             try:
                 r = json.loads(line)
-                outs[r["id"]] = r["output_ids"]
-            except (json.JSONDecodeError, KeyError):
+                r[key]
+            except (json.JSONDecodeError, KeyError, TypeError):
                 break
+            records.append(r)
             good += len(line)
     if good != os.path.getsize(path):
         with open(path, "rb+") as f:
             f.truncate(good)
-    return outs
+    return records
+
+
+def done_outputs(path: str) -> dict[str, list[int]]:
+    """The answers already generated, by record id (a cut last line dropped, as read_appended does)."""
+    return {r["id"]: r["output_ids"] for r in read_appended(path, "output_ids")}
 
 
 def record_ids(p: Prompt) -> list[str]:
@@ -494,6 +566,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=HELDOUT_FRAC,
         help="share of template topics kept out of training",
     )
+    ap.add_argument(
+        "--num-self-train",
+        type=int,
+        default=0,
+        help="training prompts the target writes itself (self_prompts.jsonl; made where the model runs, not planned)",
+    )
+    ap.add_argument("--self-frac", type=float, default=0.5, help="share of self-written prompts in train order")
     ap.add_argument("--min-chars", type=int, default=Filters.min_chars)
     ap.add_argument("--max-chars", type=int, default=Filters.max_chars)
     ap.add_argument(
@@ -559,6 +638,25 @@ def build_plan(args) -> dict:
     }
 
 
+def add_self_prompted(args, files: dict[str, list[Prompt]], engine) -> tuple[list[Prompt], dict]:
+    """The training order with --num-self-train self-written prompts mixed in (--self-frac), and their funnel.
+    They are new against every planned prompt and the hand-written benchmark set."""
+    seen = {normalize(q) for q in handwritten_prompts()}
+    seen |= {normalize(p.prompt) for ps in files.values() for p in ps}
+    opening = user_turn_opening(engine.tokenizer)
+
+    def sample(seeds: list[int]) -> list[tuple[str, bool]]:
+        params = [SELF_PROMPT_SAMPLING | {"seed": s} for s in seeds]
+        outs = engine.generate(input_ids=[opening] * len(seeds), sampling_params=params)
+        return [(o["text"].strip(), o["meta_info"]["finish_reason"]["type"] == "stop") for o in outs]
+
+    path = os.path.join(args.out, "self_prompts.jsonl")
+    chunk = 4 * args.batch_size
+    selfs, stats = self_prompted(args.num_self_train, sample, filters_of(args), seen, path, args.seed, chunk)
+    stats |= {"sampling": SELF_PROMPT_SAMPLING, "seed_stride": SELF_SEED_STRIDE, "frac": args.self_frac}
+    return mix(files["train"], selfs, args.self_frac), stats
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -583,7 +681,10 @@ def main(argv: list[str] | None = None) -> dict:
         sp = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
         return [o["output_ids"] for o in engine.generate(input_ids=ids, sampling_params=sp)]
     stopped_early = False
+    self_stats = None
     try:
+        if args.num_self_train:
+            files["train"], self_stats = add_self_prompted(args, files, engine)
         for name in ("heldout", "heldout_old", "train"):
             path = os.path.join(args.out, f"{name}.jsonl")
             answers = done_outputs(path)
@@ -615,6 +716,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": engine.args.device,
         "decoding": "plain greedy (speculation off)",
         "max_new_tokens": args.max_new_tokens,
+        "self_prompted": self_stats,
         "planned": {k: len(v) for k, v in files.items()},
         "planned_records": {k: sum(len(record_ids(p)) for p in v) for k, v in files.items()},
         "files": {k: count_file(os.path.join(args.out, f"{k}.jsonl")) for k in files},

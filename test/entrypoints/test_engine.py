@@ -139,6 +139,20 @@ def test_seeded_sampling_is_reproducible(engine: Engine) -> None:
     assert batch[0]["output_ids"] == batch[2]["output_ids"] == a
 
 
+def test_a_list_of_sampling_params_gives_each_prompt_its_own(engine: Engine) -> None:
+    prompt = engine.tokenizer.encode("Once upon a time")
+    sp = [{"temperature": 1.0, "max_new_tokens": 24, "ignore_eos": True, "seed": s} for s in (7, 8)]
+    sp.append(greedy(10))
+    batch = engine.generate(input_ids=[prompt] * 3, sampling_params=sp)
+    alone = [engine.generate(input_ids=prompt, sampling_params=p)["output_ids"] for p in sp]
+    assert [o["output_ids"] for o in batch] == alone
+    assert alone[0] != alone[1] and len(alone[2]) == 10
+    with pytest.raises(ValueError, match="2 sampling_params for 3 prompts"):
+        engine.generate(input_ids=[prompt] * 3, sampling_params=sp[:2])
+    with pytest.raises(ValueError, match="same n"):
+        engine.generate(input_ids=[prompt] * 2, sampling_params=[{"n": 2}, {"n": 1}])
+
+
 def test_top_k_one_is_greedy(engine: Engine) -> None:
     prompt = engine.tokenizer.encode("top k of one")
     ref = engine.generate(input_ids=prompt, sampling_params=greedy(16, ignore_eos=True))["output_ids"]

@@ -1,6 +1,7 @@
 """scripts/make_eagle_data.py: the ShareGPT reader survives a truncated file, held-out conversations never reach
 training, duplicates and the hand-written benchmark prompts are dropped, runs resume (also after a kill mid-line),
-and the responses are the target's own plain greedy tokens (never a speculative run's)."""
+the responses are the target's own plain greedy tokens (never a speculative run's), and self-written requests are
+the target's own seeded samples."""
 
 from __future__ import annotations
 
@@ -244,3 +245,51 @@ def test_follow_up_turns_answer_with_the_targets_own_replies_and_resume(tmp_path
             sp = {"temperature": 0, "max_new_tokens": 5}
             got = engine.generate(input_ids=r["input_ids"], sampling_params=sp)
             assert got["output_ids"] == r["output_ids"]
+
+
+def test_self_written_prompts_are_the_targets_own_seeded_new_and_resume(tmp_path):
+    """The target writes training requests itself: each kept one is what it samples after the chat template's
+    opening of a user turn with that candidate's seed, closed its turn, passes the filters and is new; a larger
+    count extends the list (a prefix), and a candidate file cut by a kill is resampled the same."""
+    out = tmp_path / "data"
+
+    def argv(n_self: int) -> list[str]:
+        return ["--out", str(out), "--sharegpt", "none", "--num-train", "0", "--num-heldout", "0",
+                "--num-old-train", "2", "--num-heldout-old", "0", "--num-self-train", str(n_self),
+                "--self-frac", "0.5", "--max-new-tokens", "4", "--dtype", "float32", "--batch-size", "2"]  # fmt: skip
+
+    manifest = med.main(argv(3))
+    assert manifest["files"]["train"]["sources"] == {"self": 3, "pydoc": 2}
+    assert manifest["self_prompted"]["new"] == 3 and manifest["complete"]
+    cand_path = out / "self_prompts.jsonl"
+    cands = [json.loads(line) for line in cand_path.read_text().splitlines()]
+    assert [c["seed"] for c in cands] == list(range(len(cands))) and len(cands) % 8 == 0  # chunks of 4 x 2
+    recs = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    self_recs = [r for r in recs if r["source"] == "self"]
+    expected, seen = [], {med.normalize(q) for q in EVERYDAY_PROMPTS}
+    for c in cands:  # the funnel: what is left out was cut, filtered or a duplicate
+        if c["ended"] and med.Filters().passes(c["text"]) and med.normalize(c["text"]) not in seen:
+            seen.add(med.normalize(c["text"]))
+            expected.append((f"self-{c['seed']}", c["text"]))
+    assert [(r["id"], r["prompt"]) for r in self_recs] == expected[:3]
+    with Engine(ServerArgs(dtype="float32", speculative_algorithm="NONE", log_level="warning")) as engine:
+        opening = med.user_turn_opening(engine.tokenizer)
+        assert engine.tokenizer.decode(opening).endswith("<|im_start|>user\n")
+        params = [med.SELF_PROMPT_SAMPLING | {"seed": c["seed"]} for c in cands[:8]]
+        again = engine.generate(input_ids=[opening] * 8, sampling_params=params)
+        assert [(o["text"].strip(), o["meta_info"]["finish_reason"]["type"] == "stop") for o in again] == [
+            (c["text"], c["ended"]) for c in cands[:8]
+        ]
+        for r in self_recs:  # answered as every record is: the target's plain greedy tokens
+            sp = {"temperature": 0, "max_new_tokens": 4}
+            assert engine.generate(input_ids=r["input_ids"], sampling_params=sp)["output_ids"] == r["output_ids"]
+    # Killed mid-line while sampling more: a rerun that needs the cut candidate resamples it the same, and the
+    # larger count extends the list.
+    whole = cand_path.read_text()
+    cand_path.write_text(whole[: len(whole) - 20])
+    more = len(expected) + 1  # one beyond what the candidates written hold
+    bigger = med.main(argv(more))
+    assert cand_path.read_text().startswith(whole)
+    ids = [json.loads(line)["id"] for line in (out / "train.jsonl").read_text().splitlines()]
+    assert ids[: len(recs)] == [r["id"] for r in recs] and len(ids) == len(recs) + more - 3
+    assert bigger["files"]["train"]["sources"] == {"self": more, "pydoc": 2}

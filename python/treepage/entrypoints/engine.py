@@ -272,7 +272,7 @@ class Engine:
     def generate(
         self,
         prompt: str | list[str] | None = None,
-        sampling_params: dict | None = None,
+        sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         return_logprob: bool = False,
         logprob_start_len: int = -1,
@@ -283,7 +283,8 @@ class Engine:
         """Blocking generation, single or batched (a batch is submitted at once and decoded together). With
         return_logprob, meta_info carries SGLang's logprob lists (entrypoints/logprob_output.py). With
         `sampling_params["n"] > 1` each prompt gets n samples (docs/design.md, "Parallel sampling") and the
-        result is a list, prompt-major: the n samples of the first prompt, then of the next."""
+        result is a list, prompt-major: the n samples of the first prompt, then of the next. A list of
+        sampling_params gives each prompt its own (e.g. a seed per prompt)."""
         single = isinstance(prompt, str) or (
             input_ids is not None and (len(input_ids) == 0 or isinstance(input_ids[0], int))
         )
@@ -295,11 +296,18 @@ class Engine:
             batch_ids = [cast(list[int], input_ids)]
         else:
             batch_ids = list(cast(list[list[int]], input_ids))
-        params = dict(sampling_params or {})
-        n = params.pop("n", None)
-        n = 1 if n is None else n
+        if isinstance(sampling_params, list):  # one dict per prompt, as SGLang's Engine takes them
+            if len(sampling_params) != len(batch_ids):
+                raise ValueError(f"{len(sampling_params)} sampling_params for {len(batch_ids)} prompts")
+            per_prompt = [dict(p) for p in sampling_params]
+        else:
+            per_prompt = [dict(sampling_params or {}) for _ in batch_ids]
+        ns = {1 if (k := p.pop("n", None)) is None else k for p in per_prompt} or {1}
+        if len(ns) > 1:
+            raise ValueError("every prompt of one generate call must ask for the same n")
+        n = ns.pop()
         check_num_samples(n)
-        sp_list = [self.make_sampling_params(params) for _ in batch_ids]
+        sp_list = [self.make_sampling_params(p) for p in per_prompt]
         results: list[queue.Queue[dict[str, Any]]] = [queue.Queue() for _ in range(len(batch_ids) * n)]
         lp = None
         if return_logprob:
