@@ -11,13 +11,13 @@ answered too, one record per turn, each prompted with the dialogue so far, in wh
 target's own answer (ShareGPT's assistant replies are never shown), so the heads see the target continue its
 own conversations.
 
-Self-written prompts (--num-self-train): requests the target writes itself, sampled after the chat template's
-opening of a user turn (self_prompts.jsonl keeps every candidate with its seed), answered like the others. They
-are made where the model runs, so a --plan-only plan does not hold them.
+Self-written prompts (--num-self-train): requests the target writes itself, sampled after the chat
+template's opening of a user turn (self_prompts.jsonl keeps every candidate with its seed), answered like the
+others. They are made where the model runs, so a --plan-only plan does not hold them.
 
 Splits (records carry id, split, source, topic, prompt, turn, input_ids, output_ids):
-- train.jsonl: ShareGPT train conversations interleaved with template prompts over training topics (--old-frac),
-  and with self-written prompts (--self-frac).
+- train.jsonl: ShareGPT train conversations interleaved with template prompts over training topics
+  (--old-frac), and with self-written prompts (--self-frac).
 - heldout.jsonl: ShareGPT conversations whose id hashes into the held-out share; training never reads them.
 - heldout_old.jsonl: the earlier held-out template prompts (topics never trained on), a second domain.
 manifest.json records sources, counts, filters, seeds and versions. Re-running resumes: records already in the
@@ -350,10 +350,10 @@ def mix(primary: list[Prompt], secondary: list[Prompt], frac: float) -> list[Pro
     return out + secondary[j:]
 
 
-# ------------------------------------------------------------------------------------------------ self-prompted
-# The target writes user requests itself: sampled from the chat template's opening of a user turn, an instruct
-# model continues with the kind of request it was tuned to answer (the "Magpie" recipe): first turns beyond the
-# ShareGPT pool, which the shipped head's data uses up, from the distribution the target itself was tuned on.
+# ----------------------------------------------------------------------------------------------- self-written
+# The target writes user requests itself: sampled from the chat template's opening of a user turn, an
+# instruct model continues with the kind of request it was tuned to answer (the "Magpie" recipe): first turns
+# beyond the ShareGPT pool (the shipped head's data uses it up), from what the target was tuned on.
 SELF_PROMPT_SAMPLING = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 96}
 SELF_SEED_STRIDE = 1_000_000  # candidate i of --seed s is sampled with seed s * stride + i
 _MARK = "\u0001"
@@ -375,11 +375,11 @@ def self_prompted(
     seed: int,
     chunk: int,
 ) -> tuple[list[Prompt], dict]:
-    """The first n requests the target writes itself that end their turn, pass `filters` and are new (normalized
-    text not in `seen`, which they join), and the funnel counts. Candidate i is sampled with its own seed, so the
-    list depends on nothing but n (a smaller n is a prefix of a larger one). `sample(seeds)` returns (text,
-    whether the target closed its turn) per seed; every candidate is appended to `path`, and a rerun samples only
-    the seeds beyond it."""
+    """The first n requests the target writes itself that end their turn, pass `filters` and are new
+    (normalized text not in `seen`, which they join), and the funnel counts. Candidate i is sampled with its
+    own seed, so the list depends on nothing but n (a smaller n is a prefix of a larger one). `sample(seeds)`
+    returns (text, whether the target closed its turn) per seed; every candidate is appended to `path`, and a
+    rerun samples only the seeds beyond it."""
     cands = read_appended(path, "ended")
     out: list[Prompt] = []
     stats = {"candidates": 0, "ended": 0, "passed_filters": 0, "new": 0}
@@ -570,9 +570,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--num-self-train",
         type=int,
         default=0,
-        help="training prompts the target writes itself (self_prompts.jsonl; made where the model runs, not planned)",
+        help="training prompts the target writes itself (self_prompts.jsonl; made where the model runs)",
     )
-    ap.add_argument("--self-frac", type=float, default=0.5, help="share of self-written prompts in train order")
+    ap.add_argument(
+        "--self-frac", type=float, default=0.5, help="share of self-written prompts in train order"
+    )
     ap.add_argument("--min-chars", type=int, default=Filters.min_chars)
     ap.add_argument("--max-chars", type=int, default=Filters.max_chars)
     ap.add_argument(

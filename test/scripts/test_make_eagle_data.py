@@ -1,7 +1,7 @@
 """scripts/make_eagle_data.py: the ShareGPT reader survives a truncated file, held-out conversations never reach
-training, duplicates and the hand-written benchmark prompts are dropped, runs resume (also after a kill mid-line),
-the responses are the target's own plain greedy tokens (never a speculative run's), and self-written requests are
-the target's own seeded samples."""
+training, duplicates and the hand-written benchmark prompts are dropped, runs resume (also after a kill
+mid-line), the responses are the target's own plain greedy tokens (never a speculative run's), and
+self-written requests are the target's own seeded samples."""
 
 from __future__ import annotations
 
@@ -248,15 +248,17 @@ def test_follow_up_turns_answer_with_the_targets_own_replies_and_resume(tmp_path
 
 
 def test_self_written_prompts_are_the_targets_own_seeded_new_and_resume(tmp_path):
-    """The target writes training requests itself: each kept one is what it samples after the chat template's
-    opening of a user turn with that candidate's seed, closed its turn, passes the filters and is new; a larger
-    count extends the list (a prefix), and a candidate file cut by a kill is resampled the same."""
+    """The target writes training requests itself: each kept one is what it samples after the chat
+    template's opening of a user turn with that candidate's seed, closed its turn, passes the filters and is
+    new; a larger count extends the list (a prefix), and a candidate file cut by a kill is resampled the
+    same."""
     out = tmp_path / "data"
 
     def argv(n_self: int) -> list[str]:
         return ["--out", str(out), "--sharegpt", "none", "--num-train", "0", "--num-heldout", "0",
                 "--num-old-train", "2", "--num-heldout-old", "0", "--num-self-train", str(n_self),
-                "--self-frac", "0.5", "--max-new-tokens", "4", "--dtype", "float32", "--batch-size", "2"]  # fmt: skip
+                "--self-frac", "0.5", "--max-new-tokens", "4", "--dtype", "float32",
+                "--batch-size", "2"]  # fmt: skip
 
     manifest = med.main(argv(3))
     assert manifest["files"]["train"]["sources"] == {"self": 3, "pydoc": 2}
@@ -282,7 +284,8 @@ def test_self_written_prompts_are_the_targets_own_seeded_new_and_resume(tmp_path
         ]
         for r in self_recs:  # answered as every record is: the target's plain greedy tokens
             sp = {"temperature": 0, "max_new_tokens": 4}
-            assert engine.generate(input_ids=r["input_ids"], sampling_params=sp)["output_ids"] == r["output_ids"]
+            got = engine.generate(input_ids=r["input_ids"], sampling_params=sp)
+            assert got["output_ids"] == r["output_ids"]
     # Killed mid-line while sampling more: a rerun that needs the cut candidate resamples it the same, and the
     # larger count extends the list.
     whole = cand_path.read_text()
